@@ -1,0 +1,1 @@
+"""Stages, models, calibration, bundles and the registry. Uses `quantizers`, never the reverse."""

@@ -1,0 +1,172 @@
+"""Deterministic MossTTSDelay checkpoints in the upstream on-disk layout.
+
+`tiny` is small enough for CI but hard the way trained LLMs are: heavy-tailed weights
+(Student-t, 4 degrees of freedom), a few hidden channels with RMSNorm gains x20-50 (the
+outlier channels that make activation-aware methods matter), a few "massive activation"
+channels in the embeddings, and heads scaled so the output distributions are peaked.
+`full-shape` has the real 8B shapes (random init) and is written shard by shard.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
+from .errors import PipelineError
+
+SPECIAL_IDS_UPSTREAM = {
+    "pad_token_id": 151643,
+    "im_start_token_id": 151644,
+    "im_end_token_id": 151645,
+    "audio_start_token_id": 151652,
+    "audio_end_token_id": 151653,
+    "audio_user_slot_token_id": 151654,
+    "audio_assistant_gen_slot_token_id": 151656,
+    "audio_assistant_delay_slot_token_id": 151662,
+}
+
+SHAPES = {
+    # hidden, ffn, layers, heads, kv heads, head_dim, vocab, n_vq, audio codes, shard bytes
+    "tiny": dict(hidden=256, ffn=768, layers=4, heads=4, kv=2, head_dim=64, vocab=1024, n_vq=32, audio=64,
+                 shard=4 << 20),
+    "full-shape": dict(hidden=4096, ffn=12288, layers=36, heads=32, kv=8, head_dim=128, vocab=155648, n_vq=32,
+                       audio=1024, shard=5 << 30),
+}
+
+
+def fixture_config(name: str) -> dict:
+    s = SHAPES[name]
+    special = (
+        SPECIAL_IDS_UPSTREAM
+        if s["vocab"] > 151662
+        else {k: s["vocab"] - 8 + i for i, k in enumerate(SPECIAL_IDS_UPSTREAM)}  # remapped into a small vocab
+    )
+    language = {
+        "model_type": "qwen3",
+        "hidden_size": s["hidden"],
+        "intermediate_size": s["ffn"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv"],
+        "head_dim": s["head_dim"],
+        "vocab_size": s["vocab"],
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    return {
+        "architectures": ["MossTTSDelayModel"],
+        "model_type": "moss_tts_delay",
+        "dtype": "bfloat16",
+        "language_config": language,
+        "n_vq": s["n_vq"],
+        "audio_vocab_size": s["audio"],
+        "audio_pad_code": s["audio"],
+        "sampling_rate": 24000,
+        **special,
+    }
+
+
+def tensor_specs(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a MossTTSDelay checkpoint and its shape, from config.json alone."""
+    lc = cfg["language_config"]
+    h, f, v = lc["hidden_size"], lc["intermediate_size"], lc["vocab_size"]
+    nq, nkv, hd = lc["num_attention_heads"], lc["num_key_value_heads"], lc["head_dim"]
+    a = cfg["audio_vocab_size"] + 1
+    specs = {"language_model.embed_tokens.weight": (v, h), "language_model.norm.weight": (h,)}
+    for i in range(lc["num_hidden_layers"]):
+        p = f"language_model.layers.{i}."
+        specs.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq * hd, h),
+            p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h),
+            p + "self_attn.o_proj.weight": (h, nq * hd),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+    for k in range(cfg["n_vq"]):
+        specs[f"emb_ext.{k}.weight"] = (a, h)
+    specs["lm_heads.0.weight"] = (v, h)
+    for k in range(1, cfg["n_vq"] + 1):
+        specs[f"lm_heads.{k}.weight"] = (a, h)
+    return specs
+
+
+def _student_t(gen: torch.Generator, shape, df: int = 4) -> torch.Tensor:
+    z = torch.randn(shape, generator=gen)
+    chi2 = torch.zeros(shape)
+    for _ in range(df):
+        chi2 += torch.randn(shape, generator=gen) ** 2
+    t = z / torch.sqrt(chi2 / df)
+    return t / math.sqrt(df / (df - 2))  # unit variance
+
+
+def make_tensor(name: str, shape, cfg: dict, seed: int) -> torch.Tensor:
+    """One tensor, seeded by its own name so shards can be generated in any order."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+    h = cfg["language_config"]["hidden_size"]
+    # The same outlier channels everywhere: about 1.5% of the hidden width.
+    outliers = torch.randperm(h, generator=torch.Generator().manual_seed(seed))[: max(2, round(0.015 * h))]
+    if name.endswith(("layernorm.weight", "language_model.norm.weight")):
+        g = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        gains = 20 + 30 * torch.rand(len(outliers), generator=gen)  # x20-50
+        if "input_layernorm" in name or "post_attention_layernorm" in name:
+            g[outliers] *= gains
+        return g.to(torch.bfloat16)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    fan_in = shape[-1]
+    w = _student_t(gen, shape) / math.sqrt(fan_in)
+    if name.startswith(("language_model.embed_tokens", "emb_ext.")):
+        w = w * (0.5 if name.startswith("language_model") else 0.1)
+        w[:, outliers[:2]] += 2.0  # massive-activation channels in the residual stream
+    elif name.startswith("lm_heads."):
+        w = w * 12.0  # peaked output distributions, like a trained model
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        w = w * 0.5
+    return w.to(torch.bfloat16)
+
+
+def write_fixture(name: str, out: Path, seed: int = 0) -> Path:
+    """Write the fixture atomically (temporary folder, then rename). Returns the folder."""
+    if name not in SHAPES:
+        raise PipelineError(f"unknown fixture {name!r} (known: {', '.join(SHAPES)})")
+    out = Path(out)
+    cfg = fixture_config(name)
+    specs = tensor_specs(cfg)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sizes = {k: math.prod(s) * 2 for k, s in specs.items()}
+    plan = shard_plan(sizes, SHAPES[name]["shard"])
+    files = shard_names(len(plan)) if len(plan) > 1 else ["model-00001-of-00001.safetensors"]
+    weight_map = {}
+    try:
+        from .progress import progress
+
+        for fname, keys in progress(list(zip(files, plan)), desc=f"fixture {name}", unit="shard"):
+            save_file({k: make_tensor(k, specs[k], cfg, seed) for k in keys}, str(tmp / fname), {"format": "pt"})
+            weight_map.update({k: fname for k in keys})
+        (tmp / INDEX).write_text(canonical_json({"metadata": {"total_size": sum(sizes.values())},
+                                                 "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        (tmp / "config.json").write_text(canonical_json(cfg, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,1 @@
+"""Model definitions with the upstream tensor names (no remote code)."""

@@ -1,0 +1,156 @@
+"""MossTTSDelay (the MOSS-TTS 8B generator) as a plain torch module tree.
+
+Upstream names: `language_model` (transformers' Qwen3Model), `emb_ext.{k}` (n_vq audio
+embeddings), `lm_heads.{0}` (text head) and `lm_heads.{1..n_vq}` (audio heads). Input ids
+are (B, S, 1 + n_vq): channel 0 text, channel k + 1 codebook k; the 1 + n_vq embeddings are
+summed into the backbone and every head reads the last hidden state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import Qwen3Config, Qwen3Model
+
+# What is quantized, declared as data (GPTQModel-style module tree). Keys are relative to
+# `language_model.layers.{i}.`; input-sharing groups say which Linears read the same input
+# and which module produces it (the norm or linear a smoothing scale folds into).
+BLOCK_PREFIX = "language_model.layers"
+BLOCK_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+INPUT_GROUPS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)
+
+
+@dataclass(frozen=True)
+class MossTTSDelayConfig:
+    language_config: dict
+    n_vq: int = 32
+    audio_vocab_size: int = 1024
+    audio_pad_code: int = 1024
+    sampling_rate: int = 24000
+    raw: dict | None = None  # the whole config.json, written back unchanged on export
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MossTTSDelayConfig":
+        if d.get("model_type") != "moss_tts_delay":
+            raise ValueError(f"config.json: model_type is {d.get('model_type')!r}, expected 'moss_tts_delay'")
+        return cls(
+            language_config=dict(d["language_config"]),
+            n_vq=int(d["n_vq"]),
+            audio_vocab_size=int(d["audio_vocab_size"]),
+            audio_pad_code=int(d.get("audio_pad_code", d["audio_vocab_size"])),
+            sampling_rate=int(d.get("sampling_rate", 24000)),
+            raw=d,
+        )
+
+    def qwen3(self) -> Qwen3Config:
+        lc = {k: v for k, v in self.language_config.items() if k not in ("architectures", "transformers_version")}
+        lc["tie_word_embeddings"] = False
+        cfg = Qwen3Config(**lc)
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.language_config["hidden_size"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.language_config["num_hidden_layers"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.language_config["vocab_size"])
+
+
+class MossTTSDelay(nn.Module):
+    def __init__(self, config: MossTTSDelayConfig):
+        super().__init__()
+        self.config = config
+        h, a = config.hidden_size, config.audio_vocab_size + 1
+        self.language_model = Qwen3Model(config.qwen3())
+        self.emb_ext = nn.ModuleList(nn.Embedding(a, h) for _ in range(config.n_vq))
+        self.lm_heads = nn.ModuleList(
+            [nn.Linear(h, config.vocab_size, bias=False)] + [nn.Linear(h, a, bias=False) for _ in range(config.n_vq)]
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, S, 1 + n_vq) ids -> (B, S, H) summed embeddings: the block-0 input."""
+        if input_ids.dim() != 3 or input_ids.shape[-1] != 1 + self.config.n_vq:
+            raise ValueError(
+                f"input_ids: expected shape (B, S, {1 + self.config.n_vq}), got {tuple(input_ids.shape)}"
+            )
+        x = self.language_model.embed_tokens(input_ids[..., 0])
+        for k, emb in enumerate(self.emb_ext):
+            x = x + emb(input_ids[..., k + 1])
+        return x
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = self.language_model(inputs_embeds=self.embed(input_ids), use_cache=False)
+        return out.last_hidden_state
+
+    def heads(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        logits = [head(hidden) for head in self.lm_heads]
+        for k in range(1, len(logits)):  # the pad code is never predicted
+            logits[k][..., self.config.audio_pad_code] = float("-inf")
+        return logits
+
+    def forward(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Returns [text logits (B,S,V)] + n_vq x [audio logits (B,S,A+1)]."""
+        return self.heads(self.hidden_states(input_ids))
+
+
+def block_linear_names(config: MossTTSDelayConfig) -> list[str]:
+    """Every quantizable decoder Linear, in stable (block, module) order."""
+    return [f"{BLOCK_PREFIX}.{i}.{m}" for i in range(config.num_layers) for m in BLOCK_LINEARS]
+
+
+def component_of(tensor_name: str) -> str:
+    """Which bits-per-weight component a stored tensor (or its quantized parts) belongs to."""
+    if tensor_name.startswith(BLOCK_PREFIX + ".") and any(f".{m}." in tensor_name for m in BLOCK_LINEARS):
+        return "backbone_linears"
+    if "norm" in tensor_name:
+        return "norms"
+    if tensor_name.startswith(("language_model.embed_tokens", "emb_ext.")):
+        return "embeddings"
+    if tensor_name.startswith("lm_heads."):
+        return "heads"
+    return "other"
+
+
+def build_empty(config: MossTTSDelayConfig) -> MossTTSDelay:
+    """The module tree on the meta device: no memory until tensors are assigned."""
+    with torch.device("meta"):
+        return MossTTSDelay(config)
+
+
+def load_state(model: MossTTSDelay, tensors, dtype=torch.bfloat16, device="cpu") -> MossTTSDelay:
+    """Assign tensors (a name -> tensor mapping or callable) into a meta-built model."""
+    expected = dict(model.named_parameters())
+    get = tensors if callable(tensors) else tensors.__getitem__
+    for name, param in expected.items():
+        t = get(name)
+        if tuple(t.shape) != tuple(param.shape):
+            raise ValueError(f"tensor {name}: shape {tuple(t.shape)}, config expects {tuple(param.shape)}")
+        model.get_submodule(name.rsplit(".", 1)[0]).register_parameter(
+            name.rsplit(".", 1)[1], nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+        )
+    # Non-persistent buffers (rotary inv_freq) are not in checkpoints: recompute them.
+    rotary = model.language_model.rotary_emb
+    with torch.device(device):
+        fresh = type(rotary)(config=model.language_model.config)
+    model.language_model.rotary_emb = fresh
+    return model.eval()

@@ -1,0 +1,8 @@
+"""Progress bars on long work; silent when stderr is not a terminal."""
+import sys
+
+from tqdm.auto import tqdm
+
+
+def progress(iterable, desc: str, unit: str = "it", total=None):
+    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=not sys.stderr.isatty(), leave=False)

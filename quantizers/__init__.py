@@ -1,0 +1,1 @@
+"""Quantization methods and on-disk packing. Never imports `pipelines`."""

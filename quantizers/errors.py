@@ -1,0 +1,2 @@
+class QuantizerError(ValueError):
+    """A quantizer refused its input; the message is one line naming what and where."""
