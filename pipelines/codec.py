@@ -1,0 +1,340 @@
+"""Decode-only MOSS-Audio-Tokenizer artifacts: extraction, validation code set, parity metrics,
+WAV output and the loader.
+
+The seed's golden protocol, automated: decode a fixed, versioned set of code sequences with
+the FP32 source decoder and with the artifact (FP8 weights dequantized to BF16, BF16 compute),
+then compare waveforms: sample-count parity, PCM mean/max absolute difference, SNR and a
+log-mel spectral distance.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from quantizers.errors import QuantizerError
+from quantizers.fp8 import FP8_DTYPE, dequantize_fp8
+
+from .checkpoint import Checkpoint, canonical_json
+from .errors import PipelineError
+from .models.moss_audio_tokenizer import CodecConfig, MossAudioTokenizer, build_empty, load_state, tensor_specs
+from .source import CONFIGS
+
+VALIDATION_SET = "codec-validation-v1"
+SNR_CAP_DB = 300.0  # identical signals: a finite stand-in for +inf (JSON has no inf)
+
+
+# --------------------------------------------------------------------------- source and extraction
+
+
+def read_config(ckpt: Checkpoint) -> CodecConfig:
+    return CodecConfig.from_dict(ckpt.config(), where=str(ckpt.root / "config.json"))
+
+
+def _stored_name(ckpt: Checkpoint, name: str) -> str:
+    """Older torch weight_norm saves g/v as `weight_g`/`weight_v`; both layouts load."""
+    if name in ckpt.weight_map:
+        return name
+    for new, old in ((".parametrizations.weight.original0", ".weight_g"), (".parametrizations.weight.original1", ".weight_v")):
+        if name.endswith(new) and name[: -len(new)] + old in ckpt.weight_map:
+            return name[: -len(new)] + old
+    raise PipelineError(f"{ckpt.root}: tensor {name} missing (config.json implies it)")
+
+
+@dataclass
+class Extraction:
+    kept: list[str]  # decode-path tensor names (upstream names)
+    dropped: list[str]  # encoder + quantizer input-side tensors
+    params_before: int
+    params_after: int
+
+    def manifest(self) -> dict:
+        groups: dict[str, int] = {}
+        for n in self.dropped:
+            parts = n.split(".")
+            g = ".".join(parts[:2]) if parts[0] == "encoder" else (
+                "quantizer.quantizers.*.in_proj" if ".in_proj." in n else "quantizer.input_proj")
+            groups[g] = groups.get(g, 0) + 1
+        return {
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+            "params_dropped": self.params_before - self.params_after,
+            "dropped_groups": dict(sorted(groups.items())),
+            "dropped_tensors": sorted(self.dropped),
+        }
+
+
+def extract_decode_only(ckpt: Checkpoint, cfg: CodecConfig) -> Extraction:
+    """Check the whole source against its config (names and shapes, nothing read) and split
+    it into the decode path and what is dropped."""
+    full = tensor_specs(cfg)
+    keep = tensor_specs(cfg, decode_only=True)
+    stored = {}
+    for name, shape in sorted(full.items()):
+        s = _stored_name(ckpt, name)
+        got = tuple(ckpt.shape(s))
+        if got != shape:
+            raise PipelineError(f"{ckpt.root}: tensor {s} has shape {list(got)}, config.json implies {list(shape)}")
+        stored[s] = name
+    extra = sorted(set(ckpt.weight_map) - set(stored))
+    if extra:
+        raise PipelineError(f"{ckpt.root}: unexpected tensor {extra[0]} (not in the module tree config.json describes)")
+    before = sum(math.prod(s) for s in full.values())
+    after = sum(math.prod(s) for s in keep.values())
+    return Extraction(sorted(keep), sorted(set(full) - set(keep)), before, after)
+
+
+def source_decoder(ckpt: Checkpoint, dtype=torch.float32) -> MossAudioTokenizer:
+    """The decode-only model straight from the source checkpoint (FP32 reference by default)."""
+    cfg = read_config(ckpt)
+    return load_state(build_empty(cfg, decode_only=True), lambda n: ckpt.get(_stored_name(ckpt, n)), dtype=dtype,
+                      where=str(ckpt.root))
+
+
+# --------------------------------------------------------------------------- artifact -> runnable decoder
+
+
+def decoder_from_tensors(cfg: CodecConfig, tensors, dtype=torch.bfloat16, where: str = "bundle") -> MossAudioTokenizer:
+    """Build the decoder from stored tensors (anything with `keys()` and `[name]`): `X.weight` in
+    float8_e4m3fn with `X.weight_scale` is dequantized to `dtype`; everything else is cast."""
+    names, get = set(tensors.keys()), tensors.__getitem__
+    model = build_empty(cfg, decode_only=True)
+    expected = dict(model.named_parameters())
+    extra = sorted(names - set(expected) - {n + "_scale" for n in expected})
+    if extra:
+        raise PipelineError(f"{where}: unexpected tensor {extra[0]} (not part of the decode-only codec)")
+
+    def fetch(name):
+        if name not in names:
+            raise PipelineError(f"{where}: tensor {name} missing")
+        t = get(name)
+        if t.dtype == FP8_DTYPE:
+            if name + "_scale" not in names:
+                raise PipelineError(f"{where}: tensor {name} is float8 but {name}_scale is missing")
+            try:
+                return dequantize_fp8(t, get(name + "_scale"), dtype, name=name)
+            except QuantizerError as e:
+                raise PipelineError(f"{where}: {e}") from None
+        return t
+
+    return load_state(model, fetch, dtype=dtype, where=where)
+
+
+def load_codec_bundle(path: str | Path, dtype=torch.bfloat16, verify: bool = True) -> MossAudioTokenizer:
+    """Load an FP8 codec bundle: files re-hashed against the manifest (when present), FP8
+    weights dequantized to `dtype`; returns a runnable decoder (`.decode(codes)`)."""
+    path = Path(path)
+    if verify and (path / "manifest.json").exists():
+        from .bundle import verify_bundle
+
+        verify_bundle(path)
+    ckpt = Checkpoint(path)
+    qc = ckpt.config().get("quantization_config") or {}
+    if qc and qc.get("quant_method") != "compressed-tensors":
+        raise PipelineError(f"{path / 'config.json'}: quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
+    # Checkpoint.get checks finiteness; fp8 weights pass through .float() for that.
+    return decoder_from_tensors(read_config(ckpt), _CheckpointView(ckpt), dtype=dtype, where=str(path))
+
+
+class _CheckpointView:
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def keys(self):
+        return self.ckpt.weight_map.keys()
+
+    def __getitem__(self, name):
+        return self.ckpt.get(name)
+
+
+# --------------------------------------------------------------------------- validation code set
+
+
+@dataclass
+class ValidationSet:
+    name: str
+    names: list[str]
+    codes: list[torch.Tensor]  # each (n_q, T) int64
+    sha256: str
+    spec: dict
+
+
+def _uniforms(seed: int, *key) -> list[float]:
+    """Four uniforms in [0, 1) from one SHA-256 block: stable across Python/torch versions."""
+    d = hashlib.sha256(("/".join(map(str, (seed, *key)))).encode()).digest()
+    return [int.from_bytes(d[i : i + 8], "big") / 2**64 for i in range(0, 32, 8)]
+
+
+def generate_codes(spec: dict) -> list[torch.Tensor]:
+    seed, nq, size = int(spec["seed"]), int(spec["num_codebooks"]), int(spec["codebook_size"])
+    p = spec.get("process", {})
+    out = []
+    for s, seq in enumerate(spec["sequences"]):
+        frames, kind = int(seq["frames"]), seq["kind"]
+        codes = torch.empty(nq, frames, dtype=torch.long)
+        for k in range(nq):
+            stay = float(p.get("stay0", 0.6)) * float(p.get("decay", 0.93)) ** k
+            for t in range(frames):
+                u = _uniforms(seed, s, k, t)
+                if t == 0:
+                    c = int(u[0] * size)
+                elif kind == "repeat":
+                    c = int(codes[k, 0])
+                elif kind == "process":
+                    prev = int(codes[k, t - 1])
+                    if u[0] < stay:
+                        c = prev
+                    elif u[1] < float(p.get("local", 0.7)):
+                        step = int(p.get("step", 24))
+                        c = (prev + int(u[2] * (2 * step + 1)) - step) % size
+                    else:
+                        c = int(u[3] * size)
+                else:
+                    raise PipelineError(f"validation set sequence {seq.get('name')!r}: unknown kind {kind!r} (process, repeat)")
+                codes[k, t] = c
+        out.append(codes)
+    return out
+
+
+def codes_digest(codes: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for c in codes:
+        h.update(canonical_json(list(c.shape)).encode())
+        h.update(c.to(torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_validation_set(name: str = VALIDATION_SET, check_pin: bool = True) -> ValidationSet:
+    path = CONFIGS / "calibration" / f"{name}.yaml"
+    if not path.exists():
+        raise PipelineError(f"unknown codec validation set {name!r}: no {path.name} in configs/calibration")
+    spec = yaml.safe_load(path.read_text())
+    for key in ("seed", "num_codebooks", "codebook_size", "sequences"):
+        if key not in spec:
+            raise PipelineError(f"{path.name}: key {key!r} missing")
+    codes = generate_codes(spec)
+    digest = codes_digest(codes)
+    if check_pin and spec.get("codes_sha256") != digest:
+        raise PipelineError(f"{path.name}: generated codes hash to {digest[:12]}…, codes_sha256 pins {str(spec.get('codes_sha256'))[:12]}…")
+    return ValidationSet(spec.get("name", name), [s["name"] for s in spec["sequences"]], codes, digest, spec)
+
+
+def check_set_matches(vset: ValidationSet, cfg: CodecConfig) -> None:
+    """Every sequence must carry all of the codec's codebooks, with codes in range."""
+    q = cfg.quantizer
+    for name, c in zip(vset.names, vset.codes):
+        if c.shape[0] != q.num_quantizers:
+            raise PipelineError(f"{vset.name}: sequence {name!r} has {c.shape[0]} codebooks, the codec has {q.num_quantizers}")
+        if int(c.max()) >= q.codebook_size:
+            raise PipelineError(f"{vset.name}: sequence {name!r} has code {int(c.max())}, codebook size is {q.codebook_size}")
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def _mel_filterbank(sr: int, n_fft: int, n_mels: int) -> torch.Tensor:
+    """HTK-scale triangular filters, (n_mels, n_fft // 2 + 1)."""
+    hz = torch.linspace(0, sr / 2, n_fft // 2 + 1, dtype=torch.float64)
+    mel = lambda f: 2595.0 * torch.log10(1.0 + f / 700.0)  # noqa: E731
+    pts = 700.0 * (10 ** (torch.linspace(0, float(mel(torch.tensor(sr / 2.0))), n_mels + 2, dtype=torch.float64) / 2595.0) - 1)
+    lo, mid, hi = pts[:-2, None], pts[1:-1, None], pts[2:, None]
+    fb = torch.minimum((hz - lo) / (mid - lo), (hi - hz) / (hi - mid)).clamp(min=0)
+    return fb.float()
+
+
+def log_mel(x: torch.Tensor, sr: int, n_mels: int = 80) -> torch.Tensor:
+    """Power mel spectrogram in dB of a 1-D signal: ~43 ms windows, 1/4 overlap hop."""
+    n_fft = 1 << max(6, round(math.log2(sr * 0.043)))  # 1024 at 24 kHz
+    spec = torch.stft(x.float(), n_fft, hop_length=n_fft // 4, window=torch.hann_window(n_fft), return_complex=True)
+    mel = _mel_filterbank(sr, n_fft, n_mels) @ spec.abs().pow(2)
+    return 10 * torch.log10(mel.clamp(min=1e-12))
+
+
+def log_mel_distance_db(ref: torch.Tensor, test: torch.Tensor, sr: int, floor_db: float = 80.0) -> float:
+    """Mean |log-mel(ref) - log-mel(test)| in dB, both floored 80 dB below the reference peak
+    (so inaudible bins cannot dominate)."""
+    a, b = log_mel(ref, sr), log_mel(test, sr)
+    floor = a.max() - floor_db
+    return float((a.clamp(min=floor) - b.clamp(min=floor)).abs().mean())
+
+
+def parity_metrics(ref: torch.Tensor, test: torch.Tensor, sr: int) -> dict:
+    """Waveform comparison of two decodes (B, 1, N)."""
+    out = {"samples_ref": int(ref.shape[-1]), "samples_test": int(test.shape[-1])}
+    out["sample_parity"] = ref.shape == test.shape
+    if not out["sample_parity"]:
+        return out
+    r, t = ref.double().flatten(), test.double().flatten()
+    err = r - t
+    noise, signal = float(err.pow(2).sum()), float(r.pow(2).sum())
+    out.update(
+        ref_mean_abs=float(r.abs().mean()),
+        mean_abs_diff=float(err.abs().mean()),
+        max_abs_diff=float(err.abs().max()),
+        snr_db=SNR_CAP_DB if noise == 0 else min(SNR_CAP_DB, 10 * math.log10(signal / noise)) if signal > 0 else 0.0,
+        log_mel_distance_db=sum(log_mel_distance_db(a[0], b[0], sr) for a, b in zip(ref, test)) / ref.shape[0],
+    )
+    out["rel_mean_abs_diff"] = out["mean_abs_diff"] / out["ref_mean_abs"] if out["ref_mean_abs"] > 0 else 0.0
+    return out
+
+
+def aggregate(per_seq: dict[str, dict], refs: dict, tests: dict, sr: int) -> dict:
+    """Pooled over every sample of every sequence (SNR = total signal / total error power)."""
+    parity = all(m["sample_parity"] for m in per_seq.values())
+    out = {"sample_parity": parity, "sequences": len(per_seq),
+           "samples": sum(m["samples_ref"] for m in per_seq.values())}
+    if not parity:
+        return out
+    r = torch.cat([refs[k].double().flatten() for k in per_seq])
+    t = torch.cat([tests[k].double().flatten() for k in per_seq])
+    pooled = parity_metrics(r[None, None], t[None, None], sr)
+    out.update({k: pooled[k] for k in ("ref_mean_abs", "mean_abs_diff", "max_abs_diff", "snr_db", "rel_mean_abs_diff")})
+    out["log_mel_distance_db"] = max(m["log_mel_distance_db"] for m in per_seq.values())  # worst sequence
+    out["min_sequence_snr_db"] = min(m["snr_db"] for m in per_seq.values())
+    return out
+
+
+def decode_set(model: MossAudioTokenizer, vset: ValidationSet) -> dict[str, torch.Tensor]:
+    from .progress import progress
+
+    return {n: model.decode(c) for n, c in progress(list(zip(vset.names, vset.codes)), desc="decode", unit="seq")}
+
+
+def compare(refs: dict, tests: dict, sr: int) -> dict:
+    per = {k: parity_metrics(refs[k], tests[k], sr) for k in refs}
+    return {"overall": aggregate(per, refs, tests, sr), "per_sequence": per}
+
+
+# --------------------------------------------------------------------------- WAV
+
+
+def wav_bytes(x: torch.Tensor, sr: int) -> bytes:
+    """Mono 16-bit PCM WAV (stdlib `wave`; no timestamps, so the bytes are deterministic).
+    Samples outside [-1, 1] are clipped."""
+    pcm = (x.detach().float().flatten().clamp(-1, 1) * 32767).round().to(torch.int16)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(int(sr))
+        w.writeframes(pcm.numpy().astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def read_wav(path: Path) -> tuple[torch.Tensor, int]:
+    with wave.open(str(path), "rb") as w:
+        sr, n = w.getframerate(), w.getnframes()
+        data = w.readframes(n)
+    import numpy as np
+
+    return torch.from_numpy(np.frombuffer(data, dtype="<i2").astype("float32") / 32767), sr
+
+
+def config_json(cfg: CodecConfig, quantization_config: dict) -> str:
+    return canonical_json({**cfg.raw, "dtype": "bfloat16", "quantization_config": quantization_config}, indent=2)
