@@ -37,7 +37,7 @@ def read_config(ckpt: Checkpoint) -> CodecConfig:
     return CodecConfig.from_dict(ckpt.config(), where=str(ckpt.root / "config.json"))
 
 
-def _stored_name(ckpt: Checkpoint, name: str) -> str:
+def stored_name(ckpt: Checkpoint, name: str) -> str:
     """Older torch weight_norm saves g/v as `weight_g`/`weight_v`; both layouts load."""
     if name in ckpt.weight_map:
         return name
@@ -77,7 +77,7 @@ def extract_decode_only(ckpt: Checkpoint, cfg: CodecConfig) -> Extraction:
     keep = tensor_specs(cfg, decode_only=True)
     stored = {}
     for name, shape in sorted(full.items()):
-        s = _stored_name(ckpt, name)
+        s = stored_name(ckpt, name)
         got = tuple(ckpt.shape(s))
         if got != shape:
             raise PipelineError(f"{ckpt.root}: tensor {s} has shape {list(got)}, config.json implies {list(shape)}")
@@ -93,7 +93,7 @@ def extract_decode_only(ckpt: Checkpoint, cfg: CodecConfig) -> Extraction:
 def source_decoder(ckpt: Checkpoint, dtype=torch.float32) -> MossAudioTokenizer:
     """The decode-only model straight from the source checkpoint (FP32 reference by default)."""
     cfg = read_config(ckpt)
-    return load_state(build_empty(cfg, decode_only=True), lambda n: ckpt.get(_stored_name(ckpt, n)), dtype=dtype,
+    return load_state(build_empty(cfg, decode_only=True), lambda n: ckpt.get(stored_name(ckpt, n)), dtype=dtype,
                       where=str(ckpt.root))
 
 
@@ -294,6 +294,7 @@ def aggregate(per_seq: dict[str, dict], refs: dict, tests: dict, sr: int) -> dic
     r = torch.cat([refs[k].double().flatten() for k in per_seq])
     t = torch.cat([tests[k].double().flatten() for k in per_seq])
     pooled = parity_metrics(r[None, None], t[None, None], sr)
+    out["ref_peak"] = float(r.abs().max())
     out.update({k: pooled[k] for k in ("ref_mean_abs", "mean_abs_diff", "max_abs_diff", "snr_db", "rel_mean_abs_diff")})
     out["log_mel_distance_db"] = max(m["log_mel_distance_db"] for m in per_seq.values())  # worst sequence
     out["min_sequence_snr_db"] = min(m["snr_db"] for m in per_seq.values())
@@ -338,3 +339,89 @@ def read_wav(path: Path) -> tuple[torch.Tensor, int]:
 
 def config_json(cfg: CodecConfig, quantization_config: dict) -> str:
     return canonical_json({**cfg.raw, "dtype": "bfloat16", "quantization_config": quantization_config}, indent=2)
+
+
+# --------------------------------------------------------------------------- pipeline stage
+
+
+@dataclass
+class ValidateParams:
+    dataset: str = VALIDATION_SET
+    dtype: str = "bfloat16"  # what the artifact dequantizes to at load (and computes in)
+    bf16_baseline: bool = True  # also score the unquantized source in `dtype`: splits FP8 error from compute error
+    wav_sequences: int = 1  # how many sequences (in set order) get FP32/FP8 WAVs in report/
+
+    def validate(self):
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype: {self.dtype!r} (allowed: bfloat16, float16, float32)")
+        if self.wav_sequences < 0:
+            raise ValueError(f"wav_sequences: must be >= 0, got {self.wav_sequences}")
+
+
+def _rounded(d):
+    if isinstance(d, dict):
+        return {k: _rounded(v) for k, v in d.items()}
+    return float(f"{d:.6g}") if isinstance(d, float) else d
+
+
+def gate_metrics(overall: dict) -> dict:
+    """The flat numbers the gate reads (see configs/profiles/codec-fp8.yaml)."""
+    m = {"sample_count_mismatches": 0 if overall["sample_parity"] else 1}
+    if overall["sample_parity"]:
+        m.update({k: overall[k] for k in ("mean_abs_diff", "rel_mean_abs_diff", "max_abs_diff", "snr_db",
+                                          "min_sequence_snr_db", "log_mel_distance_db", "ref_mean_abs")})
+        m["peak_error_ratio"] = overall["max_abs_diff"] / overall["ref_peak"] if overall["ref_peak"] > 0 else 0.0
+    return _rounded(m)
+
+
+def run_validate(ctx, params: ValidateParams, out: Path) -> dict:
+    """Decode the validation set with the FP32 source and the quantize stage's tensors."""
+    from .methods import load_quant
+
+    ckpt = ctx.checkpoint()
+    cfg = read_config(ckpt)
+    vset = load_validation_set(params.dataset)
+    check_set_matches(vset, cfg)
+    dtype = getattr(torch, params.dtype)
+    refs = decode_set(source_decoder(ckpt, torch.float32), vset)
+    tensors, _ = load_quant(ctx.dirs["quantize"])
+    tests = decode_set(decoder_from_tensors(cfg, tensors, dtype=dtype, where="quantize stage"), vset)
+    result = compare(refs, tests, cfg.sampling_rate)
+    report = {
+        "dataset": {"name": vset.name, "sha256": vset.sha256, "sequences": dict(zip(vset.names, (list(c.shape) for c in vset.codes)))},
+        "reference": "source decoder, float32 weights and compute",
+        "artifact": f"FP8 weights dequantized to {params.dtype}, {params.dtype} compute (quantizer path float32)",
+        "metrics": gate_metrics(result["overall"]),
+        "per_sequence": _rounded(result["per_sequence"]),
+    }
+    if params.bf16_baseline:
+        base = compare(refs, decode_set(source_decoder(ckpt, dtype), vset), cfg.sampling_rate)
+        report["unquantized_baseline"] = {"what": f"source weights cast to {params.dtype}, no FP8",
+                                          "metrics": gate_metrics(base["overall"])}
+    (out / "report").mkdir()
+    wavs = []
+    for name in vset.names[: params.wav_sequences]:
+        for tag, wave_ in (("fp32", refs[name]), ("fp8", tests[name])):
+            fname = f"report/{vset.name}-{name}-{tag}.wav"
+            (out / fname).write_bytes(wav_bytes(wave_[0], cfg.sampling_rate))
+            wavs.append(fname)
+    report["wav"] = wavs
+    return report
+
+
+def bpw_basis(ckpt: Checkpoint, layout: dict) -> tuple[dict, object, int]:
+    """What bits per weight are counted against for a decode-only codec artifact:
+    (decode-path source shapes, component function, full source parameter count)."""
+    cfg = read_config(ckpt)
+    shapes = {n: list(s) for n, s in tensor_specs(cfg, decode_only=True).items()}
+    full = sum(math.prod(s) for s in tensor_specs(cfg).values())
+
+    def component(name: str) -> str:
+        if name.startswith("quantizer."):
+            return "quantizer_decode_path"
+        if ".norm1." in name or ".norm2." in name or ".layer_scale_" in name:
+            return "decoder_norms_layerscale"
+        fmt = layout.get(name, {}).get("format")
+        return "decoder_linears_fp8" if fmt == "fp8" else "decoder_linears_bf16"
+
+    return shapes, component, full

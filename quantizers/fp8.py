@@ -24,6 +24,13 @@ SCALE_EPS = float(torch.finfo(torch.float32).eps)
 @dataclass(frozen=True)
 class FP8Config:
     strategy: str = "channel"  # per output channel; the only strategy implemented
+    # Linear modules kept BF16 (compressed-tensors `ignore`). The codec method also accepts the
+    # roles `first_input_proj` / `last_output_proj` and resolves them to module names.
+    keep_bf16: tuple[str, ...] = ()
+
+    def validate(self):
+        if self.strategy != "channel":
+            raise ValueError(f"strategy: {self.strategy!r} is not supported (only 'channel')")
 
 
 @dataclass
