@@ -269,3 +269,19 @@ def test_refs():
     with pytest.raises(PipelineError, match="credentials in the URL") as e:
         open_registry("oci://user:hunter2@127.0.0.1:5000/repo")
     assert "hunter2" not in str(e.value)
+
+
+def test_layout_concurrent_pushes_keep_every_tag(tmp_path):
+    """index.json is read-modified-written under an flock: parallel pushes lose no tag."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bundles = [make_bundle(tmp_path / f"b{i}", seed=i, model=f"m{i}") for i in range(8)]
+
+    def push_one(b):
+        return push(open_registry(f"oci-layout:{tmp_path / 'registry'}"), b)  # own handle, like another process
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(push_one, bundles))
+    tags = list_tags(open_registry(f"oci-layout:{tmp_path / 'registry'}"))
+    assert tags == {t: r.digest for r in results for t in r.tags}
+    assert len(tags) == 16

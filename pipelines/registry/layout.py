@@ -72,10 +72,14 @@ class LayoutRegistry:
     def _init(self) -> None:
         if (self.root / "oci-layout").is_file():
             return
-        if self.root.exists() and any(self.root.iterdir()) and not (self.root / "index.json").exists():
-            raise PipelineError(f"{self.root}: exists and is not an OCI image layout")
-        (self.root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         with self._locked():
+            if (self.root / "oci-layout").is_file():
+                return
+            foreign = sorted(p.name for p in self.root.iterdir() if p.name not in {".index.lock", "blobs", "index.json"})
+            if foreign:
+                raise PipelineError(f"{self.root}: holds {foreign[0]} and is not an OCI image layout")
+            (self.root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
             if not (self.root / "index.json").exists():
                 self._write_index([])
             _atomic_write(self.root / "oci-layout", canonical_json({"imageLayoutVersion": "1.0.0"}).encode())
@@ -92,7 +96,7 @@ class LayoutRegistry:
             index = json.loads(path.read_text())
             return [m for m in index["manifests"] if isinstance(m, dict)]
         except FileNotFoundError:
-            if self.root.exists() and not any(self.root.iterdir()):
+            if not (self.root / "oci-layout").exists():  # not created yet (index.json is written first)
                 return []
             raise PipelineError(f"{self.root}: not an OCI image layout (no index.json)") from None
         except (ValueError, KeyError, TypeError) as e:
@@ -106,8 +110,6 @@ class LayoutRegistry:
     def resolve(self, ref: str) -> str | None:
         if DIGEST_RE.fullmatch(ref):
             return ref if self._blob(ref).is_file() else None
-        if not self.root.exists():
-            return None
         for m in self._entries():
             if m.get("annotations", {}).get(REF_NAME) == ref:
                 return m["digest"]
@@ -141,8 +143,8 @@ class LayoutRegistry:
             self._write_index(entries)
 
     def tags(self) -> list[str]:
-        if not self.root.exists():
-            raise PipelineError(f"{self.root}: no such registry folder")
+        if not (self.root / "oci-layout").is_file():
+            raise PipelineError(f"{self.root}: not an OCI image layout (no oci-layout file)")
         return sorted({m["annotations"][REF_NAME] for m in self._entries() if REF_NAME in m.get("annotations", {})})
 
 
