@@ -256,6 +256,9 @@ def test_layout_is_a_standard_oci_image_layout(tmp_path):
     assert set(refs.values()) == {result.digest} and "tiny-rtn4" in refs
     for blob in (root / "blobs" / "sha256").iterdir():
         assert blob.name == sha256_file(blob)  # every file is addressed by its content
+    from oras.layout.layout import NewLayout  # an independent reader validates the layout
+
+    assert len(NewLayout(str(root)).get_ordered_blobs("tiny-rtn4")) == 8  # manifest, config, 6 files
 
 
 def test_refs():

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import oras.provider
@@ -51,7 +52,7 @@ class _Client(oras.provider.Registry):
     """oras' registry client with one-shot requests, timeouts and our Authorization header."""
 
     def __init__(self, host: str, auth: str | None):
-        super().__init__(hostname=host, insecure=host.split(":")[0] in LOOPBACK, auth_backend="basic")
+        super().__init__(hostname=host, insecure=re.sub(r":\d+$", "", host) in LOOPBACK, auth_backend="basic")
         self._auth = {"Authorization": f"Basic {auth}"} if auth else {}
         self._where = f"oci://{host}"
 
