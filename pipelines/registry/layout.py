@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..checkpoint import canonical_json
 from ..errors import PipelineError
-from .artifact import ARTIFACT_TYPE, DIGEST_RE, MANIFEST_MEDIA_TYPE, Blob, check_digest, digest_of, read_chunks, write_verified
+from .artifact import (ARTIFACT_TYPE, DIGEST_RE, MANIFEST_MEDIA_TYPE, Blob, check_digest, digest_of, read_chunks,
+                       write_verified)
 
 REF_NAME = "org.opencontainers.image.ref.name"
 INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"

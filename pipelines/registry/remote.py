@@ -19,7 +19,8 @@ import oras.provider
 import requests
 
 from ..errors import PipelineError
-from .artifact import CHUNK, DIGEST_RE, MANIFEST_MEDIA_TYPE, Blob, check_digest, digest_of, read_chunks, write_verified
+from .artifact import (CHUNK, DIGEST_RE, MANIFEST_MEDIA_TYPE, Blob, check_digest, digest_of, read_chunks,
+                       write_verified)
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 USER_ENV, PASSWORD_ENV = "MOSSQUANT_REGISTRY_USER", "MOSSQUANT_REGISTRY_PASSWORD"
