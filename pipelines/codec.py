@@ -337,10 +337,6 @@ def read_wav(path: Path) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(np.frombuffer(data, dtype="<i2").astype("float32") / 32767), sr
 
 
-def config_json(cfg: CodecConfig, quantization_config: dict) -> str:
-    return canonical_json({**cfg.raw, "dtype": "bfloat16", "quantization_config": quantization_config}, indent=2)
-
-
 # --------------------------------------------------------------------------- pipeline stage
 
 

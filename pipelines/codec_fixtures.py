@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import canonical_json
+from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
 from .fixtures import _student_t
 from .models.moss_audio_tokenizer import CodecConfig, tensor_specs
@@ -105,8 +105,13 @@ def make_tensor(name: str, shape, seed: int) -> torch.Tensor:
     return w
 
 
+SHARD_BYTES = 2 << 30  # the full-shape codec (7.1 GB) is written shard by shard
+
+
 def write_codec_fixture(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Write `model.safetensors` + `config.json` atomically (temp folder, then rename). Returns the folder."""
+    """Write the safetensors file(s) + `config.json` atomically (temp folder, then rename). Returns the folder."""
+    from .progress import progress
+
     cfg = fixture_config(name)
     specs = tensor_specs(CodecConfig.from_dict(cfg))
     out = Path(out_dir)
@@ -114,8 +119,15 @@ def write_codec_fixture(name: str, out_dir: Path, seed: int = 0) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tensors = {k: make_tensor(k, s, seed).float().contiguous() for k, s in sorted(specs.items())}
-        save_file(tensors, str(tmp / "model.safetensors"), {"format": "pt"})
+        plan = shard_plan({k: 4 * math.prod(s) for k, s in specs.items()}, SHARD_BYTES)
+        files = shard_names(len(plan))
+        for fname, keys in progress(list(zip(files, plan)), desc=f"fixture {name}", unit="shard"):
+            save_file({k: make_tensor(k, specs[k], seed).float().contiguous() for k in keys}, str(tmp / fname),
+                      {"format": "pt"})
+        if len(files) > 1:
+            weight_map = {k: f for f, keys in zip(files, plan) for k in keys}
+            (tmp / INDEX).write_text(canonical_json({"metadata": {"total_size": sum(4 * math.prod(s) for s in specs.values())},
+                                                     "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         (tmp / "config.json").write_text(canonical_json(cfg, indent=2))
         if out.exists():
             shutil.rmtree(out)
