@@ -1,0 +1,185 @@
+"""Versioned bundles: safetensors + config.json + recipe.yaml + manifest.json.
+
+`artifacts/<model>/<profile>/<version>/`, written to a temporary folder and renamed, never
+overwritten. The version id hashes every stage key, so the same inputs give the same id.
+Bits per weight count every stored bit — packed weights, scales, zeros, protected tensors
+and the safetensors headers — over the source's logical parameter count, and must agree
+with the bytes on disk.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .checkpoint import canonical_json, sha256_file, write_sharded
+from .errors import PipelineError
+from .models.moss_tts_delay import component_of
+from .source import ARTIFACTS
+
+SCHEMA = "moss-quant/manifest/v1"
+DTYPE_BITS = {"BF16": 16, "F16": 16, "F32": 32, "I32": 32, "I64": 64, "F8_E4M3": 8, "I8": 8, "U8": 8, "BOOL": 8}
+
+
+@dataclass
+class ExportParams:
+    shard_size_mb: int = 2048
+
+    def validate(self):
+        if self.shard_size_mb < 1:
+            raise ValueError(f"shard_size_mb: must be >= 1, got {self.shard_size_mb}")
+
+
+def safetensors_layout(path: Path) -> tuple[int, dict]:
+    """(header bytes including the 8-byte length, {name: {dtype, shape}}) read from the file itself."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()}
+
+
+def bits_per_weight(folder: Path, files: list[str], layout: dict, source_shapes: dict[str, list[int]],
+                    component=component_of) -> dict:
+    """Effective bpw from the files on disk, with a per-component breakdown."""
+    stored_to_source = {s: src for src, entry in layout.items() for s in entry["stored"]}
+    comp_bits: dict[str, int] = {}
+    header_bits = 0
+    for fname in files:
+        if not fname.endswith(".safetensors"):
+            continue
+        hbytes, tensors = safetensors_layout(folder / fname)
+        header_bits += 8 * hbytes
+        for name, info in tensors.items():
+            src = stored_to_source.get(name, name)
+            bits = DTYPE_BITS[info["dtype"]] * math.prod(info["shape"])
+            comp_bits[component(src)] = comp_bits.get(component(src), 0) + bits
+    comp_params: dict[str, int] = {}
+    for name, shape in source_shapes.items():
+        comp_params[component(name)] = comp_params.get(component(name), 0) + math.prod(shape)
+    total_params = sum(comp_params.values())
+    total_bits = sum(comp_bits.values()) + header_bits
+    disk_bits = 8 * sum((folder / f).stat().st_size for f in files if f.endswith(".safetensors"))
+    if total_bits != disk_bits:
+        raise PipelineError(f"{folder}: bit count {total_bits} disagrees with safetensors bytes on disk {disk_bits}")
+    components = {
+        c: {"params": comp_params.get(c, 0), "bits": comp_bits.get(c, 0),
+            "bpw": round(comp_bits.get(c, 0) / comp_params[c], 6) if comp_params.get(c) else None}
+        for c in sorted(set(comp_params) | set(comp_bits))
+    }
+    linear = components.get("backbone_linears", {})
+    return {
+        "effective": round(total_bits / total_params, 6),
+        "quantized_linear": linear.get("bpw"),
+        "source_params": total_params,
+        "stored_bits": total_bits,
+        "header_bits": header_bits,
+        "components": components,
+        "definition": "every safetensors bit (weights, scales, zeros, protected tensors, headers) / source parameters",
+    }
+
+
+def version_id(stage_keys: dict[str, str]) -> str:
+    return "v1-" + hashlib.sha256(canonical_json(stage_keys).encode()).hexdigest()[:12]
+
+
+def write_bundle(dest: Path, build) -> Path:
+    """Call build(tmp_folder) to fill a temporary folder, then rename it to dest atomically."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        build(tmp)
+        if dest.exists():
+            if (dest / "manifest.json").read_bytes() == (tmp / "manifest.json").read_bytes():
+                return dest  # already built, identical: nothing to do
+            raise PipelineError(f"{dest}: version exists with different content; versions are never overwritten")
+        os.replace(tmp, dest)
+        return dest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_export(ctx, params: ExportParams, out: Path) -> dict:
+    from .methods import QUANT_META, load_quant
+    from .stages import library_versions
+
+    tensors, meta = load_quant(ctx.dirs["quantize"])
+    src_config = ctx.checkpoint().config()
+    stage_keys = {k: v for k, v in ctx.keys.items() if k != "export"}
+    version = version_id(stage_keys)
+    dest = (ctx.bundle_root if getattr(ctx, "bundle_root", None) else ARTIFACTS / ctx.spec.name / ctx.profile.name) / version
+    gate = ctx.results.get("gate", {"status": "unchecked", "checks": []})
+    ckpt = ctx.checkpoint()
+    source_shapes = {k: ckpt.shape(k) for k in ckpt.keys()}
+
+    def build(tmp: Path):
+        files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
+        config = dict(src_config)
+        config["quantization_config"] = meta["quantization_config"]
+        (tmp / "config.json").write_text(canonical_json(config, indent=2))
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=True))
+        files += ["config.json", "recipe.yaml"]
+        for name in meta["files"]:
+            shutil.copyfile(ctx.dirs["quantize"] / name, tmp / name)
+            files.append(name)
+        for stage, folder in ctx.dirs.items():  # report/ folders from earlier stages (e.g. WAVs)
+            if (folder / "report").is_dir():
+                shutil.copytree(folder / "report", tmp / "report", dirs_exist_ok=True)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        bpw = bits_per_weight(tmp, files, meta["layout"], source_shapes)
+        manifest = {
+            "schema": SCHEMA,
+            "model": ctx.spec.name,
+            "kind": ctx.spec.kind,
+            "profile": ctx.profile.name,
+            "version": version,
+            "status": gate["status"],
+            "gate": gate,
+            "source": ctx.spec.pins(),
+            "calibration": ctx.results.get("calibrate"),
+            "evaluation": ctx.results.get("evaluate"),
+            "validation": ctx.results.get("validate"),
+            "stages": ctx.profile.resolved()["stages"],
+            "stage_keys": stage_keys,
+            "seed": ctx.seed,
+            "method": meta["method"],
+            "method_details": meta["extra"],
+            "environment": {**library_versions(), "device": ctx.results["quantize"].get("device_kind")},
+            "files": {f: {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size} for f in files},
+            "tensors": meta["layout"],
+            "protected": sorted(k for k, v in meta["layout"].items() if v["format"] == "bf16"),
+            "bits_per_weight": bpw,
+        }
+        (tmp / "manifest.json").write_text(canonical_json(manifest, indent=2))
+
+    path = write_bundle(dest, build)
+    ctx.bundle = path
+    return {"bundle": str(path.name), "status": gate["status"]}
+
+
+def verify_bundle(path: Path) -> dict:
+    """Re-hash every file named in the manifest; refuse on any mismatch or stray file."""
+    from .loader import read_manifest
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name, info in sorted(manifest["files"].items()):
+        f = path / name
+        if not f.is_file():
+            raise PipelineError(f"{f}: missing (listed in manifest.json)")
+        if f.stat().st_size != info["size"] or sha256_file(f) != info["sha256"]:
+            raise PipelineError(f"{f}: content does not match manifest.json (size or sha256)")
+    return manifest
+
+
+def bundles_of(model: str, profile: str, root: Path = ARTIFACTS) -> list[Path]:
+    folder = Path(root) / model / profile
+    return sorted((p for p in folder.glob("v1-*") if (p / "manifest.json").exists()), key=lambda p: p.stat().st_mtime)

@@ -1,0 +1,60 @@
+"""Assemble a generator bundle's tensors in auto-round's GPTQ-packed format.
+
+Quantized decoder Linears become `<name>.qweight/.qzeros/.scales` (quantizers.packing);
+every other tensor is stored BF16 and listed as protected with the reason. Per-layer widths
+that differ from the default go into `extra_config`, as auto-round writes mixed precision.
+"""
+from __future__ import annotations
+
+import torch
+
+from quantizers.packing import pack_gptq
+from quantizers.rtn import IntWeight
+
+from ..models.moss_tts_delay import BLOCK_PREFIX, component_of
+from . import QuantResult
+
+PROTECT_REASON = {
+    "embeddings": "embedding table: not a Linear, kept BF16",
+    "heads": "output head: kept BF16 (text and audio logits are the most fragile)",
+    "norms": "norm gain: tiny and outlier-carrying, kept BF16",
+    "other": "not a quantization target, kept BF16",
+    "backbone_linears": "kept BF16 by the allocation",
+}
+
+
+def autoround_config(bits: int, group_size: int, sym: bool, extra_config: dict | None = None, **tuning) -> dict:
+    cfg = {
+        "quant_method": "auto-round",
+        "packing_format": "auto_round:auto_gptq",
+        "data_type": "int",
+        "bits": bits,
+        "group_size": group_size,
+        "sym": sym,
+        "act_bits": 16,
+        "block_name_to_quantize": BLOCK_PREFIX,
+        **tuning,
+    }
+    if extra_config:
+        cfg["extra_config"] = dict(sorted(extra_config.items()))
+    return cfg
+
+
+def gptq_result(ckpt, quantized: dict[str, IntWeight], quantization_config: dict, extra: dict | None = None,
+                reasons: dict[str, str] | None = None) -> QuantResult:
+    """`quantized` maps Linear module names (no `.weight`) to their integer weights."""
+    tensors, layout = {}, {}
+    for name in ckpt.keys():
+        module = name.removesuffix(".weight")
+        if module in quantized:
+            iw = quantized[module]
+            packed = pack_gptq(iw)
+            for part, t in packed.items():
+                tensors[f"{module}.{part}"] = t
+            layout[name] = {"format": "gptq", "bits": iw.bits, "group_size": iw.group_size, "sym": iw.sym,
+                            "stored": sorted(f"{module}.{p}" for p in packed)}
+        else:
+            tensors[name] = ckpt.get(name).to(torch.bfloat16)
+            reason = (reasons or {}).get(name) or PROTECT_REASON[component_of(name)]
+            layout[name] = {"format": "bf16", "bits": 16, "stored": [name], "reason": reason}
+    return QuantResult(tensors=tensors, quantization_config=quantization_config, layout=layout, extra=extra or {})

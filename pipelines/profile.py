@@ -1,0 +1,143 @@
+"""Profiles: `configs/profiles/<name>.yaml` lists stages and their parameters.
+
+Every stage's parameters are a small dataclass; the quantize stage's `method` picks the
+method's own config dataclass (declared in `quantizers`). Validation names the file, the key
+and what is allowed. Stage order is the YAML order; each stage declares what it needs first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import PipelineError
+from .source import CONFIGS, ROOT
+
+PROFILE_KEYS = {"name", "description", "kind", "seed", "stages", "models"}
+
+
+@dataclass
+class Profile:
+    name: str
+    kind: str  # "generator" | "codec"
+    seed: int
+    stages: dict[str, object]  # stage name -> validated params dataclass, in order
+    description: str = ""
+    path: Path | None = None
+    raw: dict = field(default_factory=dict)
+
+    def resolved(self) -> dict:
+        """The fully resolved recipe (defaults filled in), as plain data."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "seed": self.seed,
+            "stages": {k: dataclasses.asdict(v) for k, v in self.stages.items()},
+        }
+
+
+def _type_ok(value, tp) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        (inner, *_) = typing.get_args(tp) or (object,)
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, inner) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is typing.Any or tp is object:
+        return True
+    return isinstance(value, tp)
+
+
+def build_params(cls, data: dict, where: str):
+    """Instantiate a params dataclass from YAML data, naming the file/key on any error."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PipelineError(f"{where}: expected a mapping of parameters, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key, value in data.items():
+        if key not in names:
+            raise PipelineError(f"{where}: unknown key {key!r} (allowed: {', '.join(names)})")
+        if not _type_ok(value, hints[key]):
+            tname = getattr(hints[key], "__name__", str(hints[key]))
+            raise PipelineError(f"{where}.{key}: expected {tname}, got {value!r}")
+    try:
+        obj = cls(**data)
+    except TypeError as e:
+        raise PipelineError(f"{where}: {e}") from None
+    check = getattr(obj, "validate", None)
+    if check:
+        try:
+            check()
+        except ValueError as e:
+            raise PipelineError(f"{where}.{e}") from None
+    return obj
+
+
+def profile_path(name: str) -> Path:
+    return CONFIGS / "profiles" / f"{name}.yaml"
+
+
+def known_profiles() -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
+
+
+def load_profile(name_or_path: str, model: str | None = None) -> Profile:
+    """Load and validate a profile; `models: {<model>: {<stage>: {...}}}` overrides per model."""
+    from .stages import STAGES  # the stage registry defines each stage's params
+
+    path = Path(name_or_path) if name_or_path.endswith(".yaml") else profile_path(name_or_path)
+    if not path.exists():
+        raise PipelineError(f"unknown profile {name_or_path!r}: no {path} (known: {', '.join(known_profiles())})")
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise PipelineError(f"{rel}: malformed YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise PipelineError(f"{rel}: expected a mapping at the top level")
+    unknown = set(data) - PROFILE_KEYS
+    if unknown:
+        raise PipelineError(f"{rel}: unknown key {sorted(unknown)[0]!r} (allowed: {', '.join(sorted(PROFILE_KEYS))})")
+    kind = data.get("kind", "generator")
+    if kind not in ("generator", "codec"):
+        raise PipelineError(f"{rel}: kind must be 'generator' or 'codec', got {kind!r}")
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int):
+        raise PipelineError(f"{rel}: seed must be an integer, got {seed!r}")
+    stages_raw = data.get("stages")
+    if not isinstance(stages_raw, dict) or not stages_raw:
+        raise PipelineError(f"{rel}: 'stages' must be a non-empty mapping of stage name -> parameters")
+    overrides = (data.get("models") or {}).get(model) or {}
+    if not isinstance(overrides, dict):
+        raise PipelineError(f"{rel}: models.{model} must be a mapping of stage -> parameters")
+    for stage in overrides:
+        if stage not in stages_raw:
+            raise PipelineError(f"{rel}: models.{model}.{stage} overrides a stage the profile does not have")
+    stages, seen = {}, []
+    for stage, params in stages_raw.items():
+        if stage not in STAGES:
+            raise PipelineError(f"{rel}: unknown stage {stage!r} (allowed: {', '.join(STAGES)})")
+        spec = STAGES[stage]
+        merged = {**(params or {}), **(overrides.get(stage) or {})}
+        where = f"{rel}: stages.{stage}"
+        stages[stage] = spec.parse(merged, where) if spec.parse else build_params(spec.params, merged, where)
+        for need in spec.needs:
+            if need not in seen:
+                raise PipelineError(f"{rel}: stage {stage!r} needs {need!r} before it")
+        seen.append(stage)
+    return Profile(name=data.get("name", path.stem), kind=kind, seed=seed, stages=stages,
+                   description=data.get("description", ""), path=path, raw=data)

@@ -1,0 +1,170 @@
+"""Stage registry, runner and the content-addressed stage cache (DVC-style).
+
+A stage's cache key hashes its resolved parameters, the keys of the stages it needs, the
+source pins, the profile seed and the code version (every .py of pipelines/ and quantizers/
+plus the versions of the numeric libraries). A finished stage lives in
+`artifacts/.cache/<stage>/<key>/` (written to a temporary folder, renamed when complete), so
+a re-run skips it and an interrupted run resumes at the first unfinished stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+from .checkpoint import canonical_json
+from .errors import PipelineError
+from .source import ARTIFACTS, ROOT, ModelSpec, pins_digest
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    params: type | None  # params dataclass (None when `parse` builds them)
+    run: str  # "module:function" resolved lazily: run(ctx, params, out_dir) -> dict
+    needs: tuple[str, ...] = ()
+    parse: Callable | None = None  # custom parser(data, where) for stages with sub-schemas
+    cached: bool = True
+
+
+def _parse_quantize(data, where):
+    from .methods import parse_quantize
+
+    return parse_quantize(data, where)
+
+
+def _p(path: str):
+    mod, name = path.split(":")
+    return getattr(importlib.import_module(f"pipelines.{mod}"), name)
+
+
+# Stage name -> spec. Profiles list a subset of these, in order.
+STAGES: dict[str, StageSpec] = {}
+
+
+def register(name: str, spec: StageSpec) -> None:
+    STAGES[name] = spec
+
+
+@dataclass
+class RunContext:
+    spec: ModelSpec
+    snapshot: Path
+    profile: object
+    device: str
+    cache_root: Path
+    results: dict[str, dict] = field(default_factory=dict)  # stage -> result.json
+    dirs: dict[str, Path] = field(default_factory=dict)  # stage -> its output folder
+    keys: dict[str, str] = field(default_factory=dict)  # stage -> cache key
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+
+    @property
+    def seed(self) -> int:
+        return self.profile.seed
+
+    def checkpoint(self):
+        from .checkpoint import Checkpoint
+
+        if not hasattr(self, "_ckpt"):
+            self._ckpt = Checkpoint(self.snapshot)
+        return self._ckpt
+
+
+def library_versions() -> dict[str, str]:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "safetensors", "autoawq", "auto-round"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    h = hashlib.sha256()
+    for pkg in ("pipelines", "quantizers"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
+    h.update(canonical_json(library_versions()).encode())
+    return h.hexdigest()
+
+
+def stage_key(ctx: RunContext, name: str, params) -> str:
+    payload = {
+        "stage": name,
+        "params": dataclasses.asdict(params),
+        "after": dict(ctx.keys),  # every earlier stage: a changed upstream invalidates all that follows
+        "source": pins_digest(ctx.spec),
+        "seed": ctx.seed,
+        "device": ctx.device,
+        "code": code_version(),
+    }
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested in ("auto", None):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise PipelineError(f"device {requested!r} requested but CUDA is not available")
+    return requested
+
+
+def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
+    """Run every stage of the profile in order, skipping those already in the cache."""
+    for name, params in ctx.profile.stages.items():
+        spec = STAGES[name]
+        key = stage_key(ctx, name, params)
+        ctx.keys[name] = key
+        final = ctx.cache_root / name / key
+        if use_cache and spec.cached and (final / "result.json").exists():
+            ctx.log(f"stage {name}: cached ({key[:12]})")
+        else:
+            ctx.log(f"stage {name}: running ({key[:12]})")
+            tmp = final.with_name(f"{key}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            try:
+                result = _p(spec.run)(ctx, params, tmp)
+                (tmp / "result.json").write_text(canonical_json(result, indent=2))
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        ctx.dirs[name] = final
+        ctx.results[name] = json.loads((final / "result.json").read_text())
+    return ctx
+
+
+def default_cache_root() -> Path:
+    return ARTIFACTS / ".cache"
+
+
+def _register_builtin() -> None:
+    from .calibration import CalibrateParams
+    from .evaluate import EvaluateParams
+    from .gate import GateParams
+    from .bundle import ExportParams
+
+    register("calibrate", StageSpec(CalibrateParams, "calibration:run_calibrate"))
+    register("quantize", StageSpec(None, "methods:run_quantize", needs=(), parse=_parse_quantize))
+    register("evaluate", StageSpec(EvaluateParams, "evaluate:run_evaluate", needs=("quantize",)))
+    register("gate", StageSpec(GateParams, "gate:run_gate"))
+    register("export", StageSpec(ExportParams, "bundle:run_export", needs=("quantize",), cached=False))
+
+
+_register_builtin()
