@@ -20,7 +20,7 @@ from .errors import PipelineError
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 ARTIFACTS = Path(os.environ.get("MOSSQUANT_ARTIFACTS", ROOT / "artifacts"))
-MODEL_KEYS = {"name", "kind", "repo", "revision", "fixture", "files", "description"}
+MODEL_KEYS = {"name", "kind", "repo", "revision", "fixture", "files", "description", "codec"}
 
 
 @dataclass
@@ -32,6 +32,7 @@ class ModelSpec:
     files: dict[str, str] = field(default_factory=dict)
     fixture: str | None = None
     description: str = ""
+    codec: str | None = None  # a generator's companion codec model (for codec profiles)
     yaml_path: Path | None = None
 
     def pins(self) -> dict:
@@ -68,7 +69,7 @@ def load_model_spec(name: str) -> ModelSpec:
     if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
         raise PipelineError(f"{path}: files must map file names to 64-hex sha256 strings")
     return ModelSpec(name=data.get("name", name), kind=data["kind"], repo=data["repo"], revision=data["revision"],
-                     files=files, fixture=data.get("fixture"), description=data.get("description", ""),
+                     files=files, fixture=data.get("fixture"), description=data.get("description", ""), codec=data.get("codec"),
                      yaml_path=path)
 
 

@@ -21,6 +21,9 @@ class RTNConfig:
     group_size: int = 128
     sym: bool = False
 
+    def validate(self):
+        check_grid(self.bits, self.group_size)
+
 
 @dataclass
 class IntWeight:
@@ -38,6 +41,17 @@ class IntWeight:
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scales, self.zeros, self.group_size).to(dtype)
+
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def check_grid(bits: int, group_size: int) -> None:
+    """Schema-level check (raises ValueError "key: ..." for the profile validator)."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits: {bits} is not supported (allowed: {list(SUPPORTED_BITS)})")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size: {group_size} is not supported (allowed: {list(GROUP_SIZES)})")
 
 
 def check_shape(name: str, weight: torch.Tensor, bits: int, group_size: int) -> None:

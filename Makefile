@@ -1,0 +1,56 @@
+# moss-quant: everything runs inside .venv, created on first use.
+PY      := .venv/bin/python
+MQ      := .venv/bin/mossquant
+PROFILE ?= rtn4
+MODEL   ?= moss-tts
+PROFILES := $(basename $(notdir $(wildcard configs/profiles/*.yaml)))
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install quantize test demo push rebuild report fixture bench clean
+
+# torch is pinned (constraints.txt): a range admitting newer releases pulls a multi-GB CUDA build.
+# autoawq 0.2.9 goes in with --no-deps: its triton pin is not needed on CPU.
+.venv/.installed: pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[methods,registry,report,test]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps autoawq==0.2.9
+	touch $@
+
+install: .venv/.installed
+
+quantize: install
+	$(MQ) quantize $(PROFILE) --model $(MODEL)
+
+fixture: install
+	$(MQ) fixture $(or $(NAME),tiny)
+
+test: install
+	$(PY) -m pytest tests
+
+# Every profile on the tiny fixtures (a rejected bundle is a verdict, not a failure), then the report.
+demo: install
+	@for p in $(PROFILES); do \
+	  echo "== $$p"; $(MQ) quantize $$p --model tiny; rc=$$?; \
+	  if [ $$rc -ne 0 ] && [ $$rc -ne 3 ]; then exit $$rc; fi; \
+	done
+	$(MQ) report tiny
+	$(MQ) report codec-tiny
+
+push: install
+	$(MQ) push --newest $(MODEL)/$(PROFILE) $(REGISTRY) $(if $(FORCE),--force,)
+
+rebuild: install
+	$(MQ) rebuild --profile $(PROFILE) --model $(MODEL)
+
+report: install
+	$(MQ) report $(MODEL)
+
+bench: install
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+clean:
+	rm -rf artifacts/.cache

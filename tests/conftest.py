@@ -1,0 +1,30 @@
+"""Offline always: no library may reach a hub from the tests."""
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    """The pinned tiny fixture (built on demand under artifacts/fixtures, verified against its pins)."""
+    from pipelines.source import load_model_spec, resolve_path, verify
+
+    spec = load_model_spec("tiny")
+    path = resolve_path(spec)
+    verify(spec, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def rtn4_build(tmp_path_factory):
+    """One rtn4 build on the tiny fixture, in its own cache and bundle roots."""
+    from pipelines.cli import build
+
+    root = tmp_path_factory.mktemp("rtn4")
+    ctx = build("rtn4", "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
+    return ctx

@@ -1,0 +1,60 @@
+import math
+
+import pytest
+import torch
+
+from pipelines import blocks
+from pipelines.checkpoint import Checkpoint
+from pipelines.fixtures import fixture_config, tensor_specs
+from pipelines.loader import load_source
+from pipelines.models.moss_tts_delay import MossTTSDelayConfig, block_linear_names
+
+
+def test_full_shape_matches_the_real_8b_inventory():
+    specs = tensor_specs(fixture_config("full-shape"))
+    assert len(specs) == 463
+    assert sum(math.prod(s) for s in specs.values()) == 8_489_841_664
+    cfg = MossTTSDelayConfig.from_dict(fixture_config("full-shape"))
+    linears = block_linear_names(cfg)
+    assert len(linears) == 252
+    assert sum(math.prod(specs[n + ".weight"]) for n in linears) == 6_945_767_424
+    assert specs["emb_ext.31.weight"] == (1025, 4096) and specs["lm_heads.0.weight"] == (155648, 4096)
+
+
+def test_tiny_fixture_is_hard_like_a_trained_model(tiny_path):
+    ck = Checkpoint(tiny_path)
+    gains = ck.get("language_model.layers.0.input_layernorm.weight").float()
+    big = (gains > 15).sum().item()
+    assert 2 <= big <= 0.02 * gains.numel() + 1  # a few outlier channels, x20-50
+    assert gains.max() > 20 and gains.max() < 55
+    w = ck.get("language_model.layers.0.mlp.up_proj.weight").float().flatten()
+    z = (w - w.mean()) / w.std()
+    assert (z**4).mean() > 3.5  # heavier tails than a Gaussian (kurtosis 3)
+
+
+def test_forward_takes_33_channels_and_matches_block_streaming(tiny_path):
+    model = load_source(tiny_path, dtype=torch.float32)
+    cfg = model.config
+    ids = torch.randint(0, 60, (2, 9, 1 + cfg.n_vq))
+    logits = model(ids)
+    assert len(logits) == 1 + cfg.n_vq
+    assert logits[0].shape == (2, 9, cfg.vocab_size)
+    assert logits[1].shape == (2, 9, cfg.audio_vocab_size + 1)
+    assert torch.isinf(logits[1][..., cfg.audio_pad_code]).all()
+    # The layer-by-layer path every method uses gives the same logits as the module tree.
+    ck = Checkpoint(tiny_path)
+    get = lambda n: ck.get(n).float()
+    *_, (_, _, last) = blocks.stream_blocks(cfg, get, ids, dtype=torch.float32)
+    streamed = blocks.head_logits(cfg, get, blocks.final_norm(cfg, get, last))
+    for a, b in zip(logits, streamed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # the audio channels matter: changing codebook 5 changes the output
+    ids2 = ids.clone()
+    ids2[..., 6] = (ids2[..., 6] + 1) % 60
+    assert not torch.allclose(model(ids2)[0], logits[0])
+
+
+def test_wrong_channel_count_is_refused(tiny_path):
+    model = load_source(tiny_path, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"expected shape \(B, S, 33\)"):
+        model(torch.zeros(1, 4, 5, dtype=torch.long))
