@@ -165,6 +165,7 @@ def _register_builtin() -> None:
     register("evaluate", StageSpec(EvaluateParams, "evaluate:run_evaluate", needs=("quantize",)))
     register("gate", StageSpec(GateParams, "gate:run_gate"))
     register("export", StageSpec(ExportParams, "bundle:run_export", needs=("quantize",), cached=False))
+    from .methods import sensitivity  # noqa: F401  (registers the measure stage, issue 6)
 
 
 _register_builtin()
