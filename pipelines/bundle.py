@@ -119,6 +119,11 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
     gate = ctx.results.get("gate", {"status": "unchecked", "checks": []})
     ckpt = ctx.checkpoint()
     source_shapes = {k: ckpt.shape(k) for k in ckpt.keys()}
+    component, finish_bpw = component_of, None
+    if ctx.spec.kind == "codec":  # decode-only artifact: counted against the decode path (pipelines/codec.py)
+        from .codec import bpw_basis
+
+        source_shapes, component, finish_bpw = bpw_basis(ckpt, meta["layout"])
 
     def build(tmp: Path):
         files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
@@ -134,7 +139,9 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
             if (folder / "report").is_dir():
                 shutil.copytree(folder / "report", tmp / "report", dirs_exist_ok=True)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        bpw = bits_per_weight(tmp, files, meta["layout"], source_shapes)
+        bpw = bits_per_weight(tmp, files, meta["layout"], source_shapes, component)
+        if finish_bpw:
+            bpw = finish_bpw(bpw)
         manifest = {
             "schema": SCHEMA,
             "model": ctx.spec.name,

@@ -405,9 +405,9 @@ def run_validate(ctx, params: ValidateParams, out: Path) -> dict:
     return report
 
 
-def bpw_basis(ckpt: Checkpoint, layout: dict) -> tuple[dict, object, int]:
-    """What bits per weight are counted against for a decode-only codec artifact:
-    (decode-path source shapes, component function, full source parameter count)."""
+def bpw_basis(ckpt: Checkpoint, layout: dict):
+    """How a decode-only codec bundle's bits per weight are counted: (decode-path source
+    shapes, component function, finish(bpw) adding the full-source figure and the FP8 rate)."""
     cfg = read_config(ckpt)
     shapes = {n: list(s) for n, s in tensor_specs(cfg, decode_only=True).items()}
     full = sum(math.prod(s) for s in tensor_specs(cfg).values())
@@ -417,7 +417,13 @@ def bpw_basis(ckpt: Checkpoint, layout: dict) -> tuple[dict, object, int]:
             return "quantizer_decode_path"
         if ".norm1." in name or ".norm2." in name or ".layer_scale_" in name:
             return "decoder_norms_layerscale"
-        fmt = layout.get(name, {}).get("format")
-        return "decoder_linears_fp8" if fmt == "fp8" else "decoder_linears_bf16"
+        return "decoder_linears_fp8" if layout.get(name, {}).get("format") == "fp8" else "decoder_linears_bf16"
 
-    return shapes, component, full
+    def finish(bpw: dict) -> dict:
+        fp8 = bpw["components"].get("decoder_linears_fp8", {})
+        return {**bpw, "quantized_linear": fp8.get("bpw"), "full_source_params": full,
+                "effective_vs_full_source": round(bpw["stored_bits"] / full, 6),
+                "definition": bpw["definition"] + "; source = the decode path (encoder and quantizer "
+                              "input side dropped); effective_vs_full_source counts against the whole codec"}
+
+    return shapes, component, finish

@@ -23,7 +23,6 @@ from safetensors.torch import save_file
 
 from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
-from .fixtures import _student_t
 from .models.moss_audio_tokenizer import CodecConfig, tensor_specs
 
 
@@ -76,6 +75,13 @@ def fixture_config(name: str) -> dict:
             context=10.0,
         )
     raise PipelineError(f"unknown codec fixture {name!r} (known: codec-tiny, codec-full-shape)")
+
+
+def _student_t(gen: torch.Generator, shape, df: int = 4) -> torch.Tensor:
+    """Unit-variance Student-t samples (own copy: the pinned fixture hashes depend on it)."""
+    z = torch.randn(shape, generator=gen)
+    chi2 = sum(torch.randn(shape, generator=gen) ** 2 for _ in range(df))
+    return z / torch.sqrt(chi2 / df) / math.sqrt(df / (df - 2))
 
 
 def make_tensor(name: str, shape, seed: int) -> torch.Tensor:

@@ -164,6 +164,9 @@ def _register_builtin() -> None:
     register("quantize", StageSpec(None, "methods:run_quantize", needs=(), parse=_parse_quantize))
     register("evaluate", StageSpec(EvaluateParams, "evaluate:run_evaluate", needs=("quantize",)))
     register("gate", StageSpec(GateParams, "gate:run_gate"))
+    from .codec import ValidateParams  # codec decode parity against the FP32 source (issue 7)
+
+    register("validate", StageSpec(ValidateParams, "codec:run_validate", needs=("quantize",)))
     register("export", StageSpec(ExportParams, "bundle:run_export", needs=("quantize",), cached=False))
     from .methods import sensitivity  # noqa: F401  (registers the measure stage, issue 6)
 
