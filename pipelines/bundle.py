@@ -130,7 +130,7 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
         config = dict(src_config)
         config["quantization_config"] = meta["quantization_config"]
         (tmp / "config.json").write_text(canonical_json(config, indent=2))
-        (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=True))
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=False))  # stage order matters
         files += ["config.json", "recipe.yaml"]
         for name in meta["files"]:
             shutil.copyfile(ctx.dirs["quantize"] / name, tmp / name)

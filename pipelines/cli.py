@@ -68,17 +68,23 @@ def _plan_args(p):
 def build(profile_name: str, model: str, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
     """Resolve, verify and run every stage; returns the RunContext (ctx.bundle is the folder)."""
     from .profile import load_profile
-    from .source import load_model_spec, resolve_path, verify
+    from .source import load_model_spec
+
+    spec = load_model_spec(model)
+    prof = load_profile(profile_name, model)
+    if prof.kind == "codec" and spec.kind == "generator" and spec.codec:
+        spec = load_model_spec(spec.codec)  # `MODEL=tiny PROFILE=codec-fp8` means tiny's codec
+    return build_from(profile_name, spec, model_path, use_cache, cache_root, bundle_root)
+
+
+def build_from(profile: str | Path, spec, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
+    from .profile import load_profile
+    from .source import resolve_path, verify
     from .stages import RunContext, default_cache_root, resolve_device, run_stages
 
-    prof = load_profile(profile_name, model)
-    if model == "tiny" and prof.kind == "codec":  # issue 7's `MODEL=tiny`: the tiny fixture of the profile's kind
-        print(f"note: profile {prof.name!r} is for codec models; MODEL=tiny means the codec fixture codec-tiny",
-              file=sys.stderr)
-        model, prof = "codec-tiny", load_profile(profile_name, "codec-tiny")
-    spec = load_model_spec(model)
+    prof = load_profile(str(profile), spec.name)
     if prof.kind != spec.kind:
-        raise PipelineError(f"profile {prof.name!r} is for {prof.kind} models, but model {model!r} is a {spec.kind}")
+        raise PipelineError(f"profile {prof.name!r} is for {prof.kind} models, but model {spec.name!r} is a {spec.kind}")
     path = resolve_path(spec, model_path)
     verify(spec, path)
     ctx = RunContext(spec=spec, snapshot=path, profile=prof, device=resolve_device("auto"),

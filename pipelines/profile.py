@@ -36,8 +36,16 @@ class Profile:
             "name": self.name,
             "kind": self.kind,
             "seed": self.seed,
-            "stages": {k: dataclasses.asdict(v) for k, v in self.stages.items()},
+            "stages": {k: _flat(v) for k, v in self.stages.items()},
         }
+
+
+def _flat(params) -> dict:
+    """Stage params as a profile would write them (so a recipe.yaml is itself a valid profile)."""
+    d = dataclasses.asdict(params)
+    if isinstance(d.get("config"), dict) and "method" in d:
+        d = {"method": d["method"], "device": d["device"], **d["config"]}
+    return d
 
 
 def _type_ok(value, tp) -> bool:

@@ -98,8 +98,8 @@ def test_per_model_overrides_and_plan_command():
                          capture_output=True, text=True, check=True).stdout
     plan = yaml.safe_load(out)
     assert list(plan["stages"]) == ["quantize", "evaluate", "gate", "export"]
-    assert plan["stages"]["quantize"] == {"method": "rtn", "device": "auto",
-                                          "config": {"bits": 4, "group_size": 128, "sym": False}}
+    assert plan["stages"]["quantize"] == {"method": "rtn", "device": "auto", "bits": 4, "group_size": 128,
+                                          "sym": False}
 
 
 def test_cli_errors_are_one_line_and_non_zero():
