@@ -7,7 +7,7 @@ on the audio segment (where the text channel holds gen/delay slots), the text he
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,10 +24,15 @@ class EvaluateParams:
     nsamples: int = 8
     seqlen: int = 256
     batch_size: int = 4
+    scorers: list[str] = field(default_factory=list)  # optional "module:Class" plug-ins (pipelines/scorers.py)
 
     def validate(self):
+        from .scorers import check_entry
+
         if self.nsamples < 1:
             raise ValueError(f"nsamples: must be >= 1, got {self.nsamples}")
+        for entry in self.scorers:
+            check_entry(entry)
 
 
 def _kl_top1(ref: torch.Tensor, q: torch.Tensor, mask: torch.Tensor):
@@ -40,13 +45,20 @@ def _kl_top1(ref: torch.Tensor, q: torch.Tensor, mask: torch.Tensor):
     return (kl * m).sum().item(), (agree * m).sum().item(), m.sum().item()
 
 
-@torch.no_grad()
-def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", batch_size=4,
-            dtype=torch.bfloat16) -> dict:
-    cfg = MossTTSDelayConfig.from_dict(config)
+def audio_positions(config: dict, ids: torch.Tensor) -> torch.Tensor:
+    """(N, S) bool: where the text channel holds an audio gen/delay slot (audio heads are scored there)."""
     slots = [config.get(k, UPSTREAM_IDS[k]) for k in
              ("audio_assistant_gen_slot_token_id", "audio_assistant_delay_slot_token_id")]
-    audio_mask = torch.isin(ids[..., 0], torch.tensor(slots)).to(device)
+    return torch.isin(ids[..., 0], torch.tensor(slots))
+
+
+@torch.no_grad()
+def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", batch_size=4,
+            dtype=torch.bfloat16, on_logits=None) -> dict:
+    """`on_logits(head, start, ref_logits, quant_logits)`, when given, sees every head's logits
+    per batch (the scorers' greedy tokens are collected this way)."""
+    cfg = MossTTSDelayConfig.from_dict(config)
+    audio_mask = audio_positions(config, ids).to(device)
     text_mask = torch.ones_like(audio_mask)
     pos = blocks.rotary(cfg, ids.shape[1], dtype, device)
     h_ref = blocks.embed(cfg, ref_get, ids, dtype, device)
@@ -68,6 +80,8 @@ def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", b
             if k:
                 lr[..., cfg.audio_pad_code] = float("-inf")
                 lq[..., cfg.audio_pad_code] = float("-inf")
+            if on_logits:
+                on_logits(k, s, lr, lq)
             mask = (audio_mask if k else text_mask)[s:s + batch_size]
             sums[k] += torch.tensor(_kl_top1(lr, lq, mask), dtype=torch.float64)
     kl = (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist()
@@ -90,13 +104,20 @@ def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", b
 def run_evaluate(ctx, params: EvaluateParams, out: Path) -> dict:
     from .loader import DequantizingView
     from .methods import load_quant
+    from .scorers import GreedyTokens, load_scorers, run_scorers
     from .stages import resolve_device
 
     ckpt = ctx.checkpoint()
     config = ckpt.config()
     tensors, meta = load_quant(ctx.dirs["quantize"])
     view = DequantizingView(tensors.__getitem__, tensors.keys(), meta["quantization_config"])
+    scorers = load_scorers(params.scorers, f"{ctx.profile.path}: stages.evaluate.scorers")  # fail before the long part
     held = build(params.dataset, config, params.nsamples, params.seqlen, ctx.snapshot)
     device = resolve_device("auto")
-    metrics = compare(config, ckpt.get, view, held.ids, device=device, batch_size=params.batch_size)
+    tokens = GreedyTokens(held.ids) if scorers else None
+    metrics = compare(config, ckpt.get, view, held.ids, device=device, batch_size=params.batch_size, on_logits=tokens)
+    if scorers:
+        context = {"modality": "generator-tokens", "ids": held.ids, "audio_mask": audio_positions(config, held.ids),
+                   "config": config, "codec_model": ctx.spec.codec}
+        metrics.update(run_scorers(scorers, tokens.reference, tokens.candidate, context))
     return {"dataset": {"name": held.name, "sha256": held.sha256}, "metrics": metrics}
