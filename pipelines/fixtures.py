@@ -107,30 +107,33 @@ def tensor_specs(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _student_t(gen: torch.Generator, shape, df: int = 8) -> torch.Tensor:
-    z = torch.randn(shape, generator=gen)
-    chi2 = torch.zeros(shape)
+    z = torch.randn(shape, generator=gen, device=gen.device)
+    chi2 = torch.zeros(shape, device=gen.device)
     for _ in range(df):
-        chi2 += torch.randn(shape, generator=gen) ** 2
+        chi2 += torch.randn(shape, generator=gen, device=gen.device) ** 2
     t = z / torch.sqrt(chi2 / df)
     return t / math.sqrt(df / (df - 2))  # unit variance
 
 
-def make_tensor(name: str, shape, cfg: dict, seed: int) -> torch.Tensor:
-    """One tensor, seeded by its own name so shards can be generated in any order."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+def make_tensor(name: str, shape, cfg: dict, seed: int, device: str = "cpu") -> torch.Tensor:
+    """One tensor, seeded by its own name so shards can be generated in any order.
+
+    `device="cuda"` draws on the GPU (for full-shape scale runs): the same seed gives other
+    values there, so a GPU-built fixture is pinned after it is built, not against the CPU pins."""
+    gen = torch.Generator(device).manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
     h = cfg["language_config"]["hidden_size"]
     # The same outlier channels everywhere: about 1.5% of the hidden width.
     outliers = torch.randperm(h, generator=torch.Generator().manual_seed(seed))[: max(2, round(0.015 * h))]
     if name.endswith(("layernorm.weight", "language_model.norm.weight")):
-        g = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        gains = 20 + 30 * torch.rand(len(outliers), generator=gen)  # x20-50
+        g = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+        gains = 20 + 30 * torch.rand(len(outliers), generator=gen, device=device)  # x20-50
         if "input_layernorm" in name or "post_attention_layernorm" in name:
             g[outliers] *= gains
         else:  # the final norm damps the massive channels, as trained models' final norms do
             g[outliers[:2]] *= 0.02
-        return g.to(torch.bfloat16)
+        return g.to(torch.bfloat16).cpu()
     if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(torch.bfloat16).cpu()
     fan_in = shape[-1]
     w = _student_t(gen, shape) / math.sqrt(fan_in)
     if name.startswith(("language_model.embed_tokens", "emb_ext.")):
@@ -142,15 +145,19 @@ def make_tensor(name: str, shape, cfg: dict, seed: int) -> torch.Tensor:
         w = w * 0.1  # each block adds a modest update to the residual stream
     elif name.endswith("down_proj.weight"):
         w = w * 0.003  # the MLP reads x20-50 outlier inputs: damp its update to the same scale
-    return w.to(torch.bfloat16)
+    return w.to(torch.bfloat16).cpu()
 
 
-def write_fixture(name: str, out: Path, seed: int = 0) -> Path:
-    """Write the fixture atomically (temporary folder, then rename). Returns the folder."""
+def write_fixture(name: str, out: Path, seed: int = 0, layers: int | None = None, device: str = "cpu") -> Path:
+    """Write the fixture atomically (temporary folder, then rename). Returns the folder.
+
+    `layers` keeps the full width with fewer blocks (scale runs that cannot afford 36)."""
     if name not in SHAPES:
         raise PipelineError(f"unknown fixture {name!r} (known: {', '.join(SHAPES)})")
     out = Path(out)
     cfg = fixture_config(name)
+    if layers:
+        cfg["language_config"]["num_hidden_layers"] = layers
     specs = tensor_specs(cfg)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -163,7 +170,7 @@ def write_fixture(name: str, out: Path, seed: int = 0) -> Path:
         from .progress import progress
 
         for fname, keys in progress(list(zip(files, plan)), desc=f"fixture {name}", unit="shard"):
-            save_file({k: make_tensor(k, specs[k], cfg, seed) for k in keys}, str(tmp / fname), {"format": "pt"})
+            save_file({k: make_tensor(k, specs[k], cfg, seed, device) for k in keys}, str(tmp / fname), {"format": "pt"})
             weight_map.update({k: fname for k in keys})
         (tmp / INDEX).write_text(canonical_json({"metadata": {"total_size": sum(sizes.values())},
                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))

@@ -63,6 +63,7 @@ class RunContext:
     results: dict[str, dict] = field(default_factory=dict)  # stage -> result.json
     dirs: dict[str, Path] = field(default_factory=dict)  # stage -> its output folder
     keys: dict[str, str] = field(default_factory=dict)  # stage -> cache key
+    stats: dict[str, dict] = field(default_factory=dict)  # stage -> wall time and memory peaks (benchmarks)
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
     @property
@@ -128,6 +129,7 @@ def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
     for name, params in ctx.profile.stages.items():
         spec = STAGES[name]
         key = stage_key(ctx, name, params)
+        started = _stats_start()
         ctx.keys[name] = key
         final = ctx.cache_root / name / key
         if use_cache and spec.cached and (final / "result.json").exists():
@@ -147,7 +149,33 @@ def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
                 shutil.rmtree(tmp, ignore_errors=True)
         ctx.dirs[name] = final
         ctx.results[name] = json.loads((final / "result.json").read_text())
+        ctx.stats[name] = _stats_end(started)
     return ctx
+
+
+def _stats_start() -> float:
+    import time
+
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return time.perf_counter()
+
+
+def _stats_end(started: float) -> dict:
+    """Wall time, the allocator's peaks on the device, and the process's peak RSS so far."""
+    import resource
+    import time
+
+    import torch
+
+    out = {"wall_s": round(time.perf_counter() - started, 3),
+           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    if torch.cuda.is_available():
+        out["gpu_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        out["gpu_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+    return out
 
 
 def default_cache_root() -> Path:
