@@ -6,8 +6,7 @@ import json
 import pytest
 import torch
 
-from pipelines.cli import build, main
-from pipelines.fixtures import write_any_fixture
+from pipelines.cli import main
 from pipelines.loader import load_bundle
 from pipelines.registry import open_registry, pull, push
 from registry_server import registry_server  # noqa: F401  (pytest fixture)
@@ -15,10 +14,8 @@ from test_registry import tree
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rtn4")
-    fixture = write_any_fixture("tiny", root / "fixture")
-    return build("rtn4", "tiny", model_path=fixture, cache_root=root / "cache", bundle_root=root / "bundles").bundle
+def bundle(rtn4_build):
+    return rtn4_build.bundle  # the suite's one rtn4 build of the tiny fixture (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -70,3 +67,17 @@ def test_cli_push_ls_pull(bundle, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["pull", f"{url}:no-such-tag", str(tmp_path / "other")])
     assert e.value.code == 2 and "nothing tagged 'no-such-tag'" in capsys.readouterr().err
+
+
+def test_cli_push_newest_bundle_of_a_profile(bundle, tmp_path, capsys, monkeypatch):
+    import pipelines.bundle
+
+    older = tmp_path / "older"  # listed first: bundles_of sorts oldest to newest
+    monkeypatch.setattr(pipelines.bundle, "bundles_of",
+                        lambda model, profile: [older, bundle] if (model, profile) == ("tiny", "rtn4") else [])
+    url = f"oci-layout:{tmp_path / 'registry'}"
+    main(["push", "--newest", "tiny/rtn4", url, "--force"])
+    assert f"pushed {bundle} to {url}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["push", "--newest", "tiny/awq4", url])
+    assert e.value.code == 2 and "tiny/awq4: no bundle under artifacts/tiny/awq4/" in capsys.readouterr().err
