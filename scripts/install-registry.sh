@@ -9,7 +9,7 @@ if [ -x "$bin" ]; then
   echo "docker-registry: $bin"
   exit 0
 fi
-work=$(mktemp -d) && chmod 755 "$work"  # lets apt's _apt user write the .deb
+work=$(mktemp -d) && chmod 777 "$work"  # apt downloads as its _apt user
 trap 'rm -rf "$work"' EXIT
 # apt-get download needs package lists; update once when the candidate is unknown.
 if ! apt-cache policy docker-registry 2>/dev/null | grep -q 'Candidate: [0-9]'; then
