@@ -174,6 +174,16 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
         rows = [[e.profile, held_out(e)] + [e.metrics.get(k) for k in GENERATOR_METRICS + tuple(extra)] for e in gen]
         lines += table(["profile", "held-out set", *GENERATOR_METRICS, *extra], rows)
         lines += _images(plots, ["bpw_vs_fidelity", "block_error", "per_codebook"])
+        base = [e for e in gen if rtn_baseline(e)]
+        if base:
+            lines += ["### Against plain RTN on the same grid", "",
+                      "Methods that record `method_details.baseline_rtn` (RTN at the bundle's bits and group size, "
+                      "scored by the method on the held-out set named in the second column) beside the bundle's own "
+                      "figures from the evaluate stage.", ""]
+            keys = ("kl_audio_mean", "top1_audio_mean", "kl_text")
+            rows = [[e.profile, _baseline_set(e)] + [x for k in keys for x in (e.metrics.get(k), rtn_baseline(e).get(k))]
+                    for e in base]
+            lines += table(["profile", "RTN scored on", *(f"{k} ({w})" for k in keys for w in ("bundle", "rtn"))], rows)
     cod = [e for e in entries if e.codec]
     if cod:
         lines += ["## Codec fidelity against the FP32 decode", "",
@@ -200,6 +210,19 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
 
 def _images(plots: dict[str, str], names: list[str]) -> list[str]:
     return [line for n in names if n in plots for line in (f"![{plots[n]}]({n}.png)", "")]
+
+
+def rtn_baseline(e: Entry) -> dict:
+    """RTN-on-the-same-grid figures a method recorded (awq: inline, autoround: under `metrics`)."""
+    b = (e.manifest.get("method_details") or {}).get("baseline_rtn") or {}
+    m = b.get("metrics", b) if isinstance(b, dict) else {}
+    return m if isinstance(m, dict) and "kl_audio_mean" in m else {}
+
+
+def _baseline_set(e: Entry) -> str | None:
+    details = e.manifest.get("method_details") or {}
+    d = details.get("heldout") or details.get("fidelity_dataset") or {}
+    return f"{d.get('name')} ({d['nsamples']}×{d['seqlen']})" if "nsamples" in d and "seqlen" in d else d.get("name")
 
 
 def _baseline(e: Entry) -> dict:

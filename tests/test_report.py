@@ -48,8 +48,8 @@ def tables(text: str) -> dict[str, list[dict]]:
     """{section heading: rows of its first table as {column: cell}}."""
     out, section, lines = {}, None, text.splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("## "):
-            section = line[3:]
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
         elif line.startswith("| ") and section not in out:
             header = [c.strip() for c in line.strip("|").split("|")]
             rows = []
@@ -172,6 +172,34 @@ def test_newest_version_of_each_profile_is_shown(root, tmp_path):
     row = by_profile(t["Bits per weight"])["rtn4"]
     assert num(row["effective"]) == 7.5
     assert "v1-000000000000" in by_profile(t["Bundles"])["rtn4"]["version"]
+
+
+def test_method_baselines_and_scorer_figures_are_shown(root, tmp_path):
+    art = tmp_path / "artifacts"
+    shutil.copytree(root / "tiny", art / "tiny")
+    figures = {"kl_audio_mean": 0.25, "top1_audio_mean": 0.75, "kl_text": 0.5}
+    shapes = {"rtn4": {"heldout": {"name": "moss-heldout-v1", "nsamples": 4, "seqlen": 128},  # awq's layout
+                       "baseline_rtn": {"quantizer": "rtn", **figures}},
+              "rtn3-strict": {"fidelity_dataset": {"name": "moss-heldout-v1", "nsamples": 2, "seqlen": 48},  # autoround's
+                              "baseline_rtn": {"method": "rtn", "metrics": figures}}}
+    for profile, details in shapes.items():
+        f = next((art / "tiny" / profile).glob("v1-*")) / "manifest.json"
+        m = json.loads(f.read_text())
+        m["method_details"] = details
+        if profile == "rtn4":
+            m["evaluation"]["metrics"]["asr.cer"] = 0.125  # an optional scorer's figure (pipelines/scorers.py)
+        f.write_text(json.dumps(m))
+    t = tables(write_report("tiny", art).read_text())
+    fid = by_profile(t["Fidelity against the BF16 source"])
+    assert num(fid["rtn4"]["asr.cer"]) == 0.125 and fid["rtn3-strict"]["asr.cer"] == "—"
+    rows = by_profile(t["Against plain RTN on the same grid"])
+    ms = manifests(art, "tiny")
+    assert rows["rtn4"]["RTN scored on"] == "moss-heldout-v1 (4×128)"
+    assert rows["rtn3-strict"]["RTN scored on"] == "moss-heldout-v1 (2×48)"
+    for p, row in rows.items():
+        for k, v in figures.items():
+            assert num(row[f"{k} (rtn)"]) == v
+            assert num(row[f"{k} (bundle)"]) == pytest.approx(ms[p]["evaluation"]["metrics"][k], rel=1e-5)
 
 
 def test_bad_input_is_one_line_and_leaves_nothing(root, tmp_path, capsys):
