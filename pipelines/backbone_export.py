@@ -1,0 +1,80 @@
+"""The ecosystem path: a generator bundle's Qwen3 backbone as a plain Qwen3ForCausalLM folder.
+
+`language_model.*` -> `model.*`, the text head `lm_heads.0` -> `lm_head`; the audio embeddings
+and heads are left out (MOSS-specific). config.json is the backbone's Qwen3 config with the
+bundle's quantization_config, `block_name_to_quantize` and per-layer keys renamed to match, so
+transformers' own auto-round integration loads it. The MOSS input (summed 1 + n_vq embeddings)
+goes in as `inputs_embeds`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .checkpoint import Checkpoint, canonical_json, write_sharded
+from .errors import PipelineError
+
+RENAMES = (("language_model.", "model."), ("lm_heads.0.", "lm_head."))
+
+
+def backbone_name(name: str) -> str | None:
+    for old, new in RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None  # audio embeddings / heads: not part of the backbone
+
+
+def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path:
+    """Write `dest` (temporary folder, then renamed); refuses to overwrite."""
+    bundle, dest = Path(bundle), Path(dest)
+    if dest.exists():
+        raise PipelineError(f"{dest}: already exists; choose a new folder")
+    ckpt = Checkpoint(bundle)
+    config = ckpt.config()
+    if config.get("model_type") != "moss_tts_delay":
+        raise PipelineError(f"{bundle / 'config.json'}: model_type {config.get('model_type')!r}, expected 'moss_tts_delay'")
+    tensors = {new: ckpt.get(n, check_finite=False) for n in ckpt.keys() if (new := backbone_name(n))}
+    qwen3 = {k: v for k, v in config["language_config"].items() if k not in ("transformers_version", "torch_dtype")}
+    qwen3.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
+                 dtype=config.get("dtype", "bfloat16"))
+    qc = config.get("quantization_config")
+    if qc:
+        qc = dict(qc)
+        if "block_name_to_quantize" in qc:
+            qc["block_name_to_quantize"] = backbone_name(qc["block_name_to_quantize"] + ".").rstrip(".")
+        if qc.get("extra_config"):
+            qc["extra_config"] = {backbone_name(k + ".").rstrip("."): v for k, v in sorted(qc["extra_config"].items())}
+        qwen3["quantization_config"] = qc
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_sharded(tmp, tensors, shard_size_mb << 20)
+        (tmp / "config.json").write_text(canonical_json(qwen3, indent=2))
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def cmd_export_backbone(args):
+    from .bundle import verify_bundle
+
+    verify_bundle(args.bundle)
+    print(f"backbone: {export_backbone(args.bundle, args.dest)}")
+
+
+def _args(p):
+    p.add_argument("bundle", help="a generator bundle folder")
+    p.add_argument("dest", help="new folder for the Qwen3ForCausalLM backbone")
+
+
+def _register():
+    from .cli import register
+
+    register("export-backbone", "write a bundle's Qwen3 backbone as a Qwen3ForCausalLM folder (transformers-loadable)",
+             cmd_export_backbone, _args)
+
+
+_register()

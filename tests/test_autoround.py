@@ -1,0 +1,206 @@
+"""autoround-q3: auto-round's SignRound on MOSS block inputs, packed by our GPTQ packing."""
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipelines import blocks, calibration
+from pipelines.backbone_export import export_backbone
+from pipelines.checkpoint import Checkpoint
+from pipelines.cli import build
+from pipelines.errors import PipelineError
+from pipelines.evaluate import compare
+from pipelines.loader import load_bundle
+from pipelines.models.moss_tts_delay import MossTTSDelayConfig
+from pipelines.profile import load_profile
+from quantizers.autoround import AutoRoundConfig, compressor, embeds_lm, int_weights
+from quantizers.errors import QuantizerError
+from quantizers.packing import pack_gptq
+from quantizers.rtn import RTNConfig, quantize_rtn
+
+
+@pytest.fixture(scope="module")
+def ar_build(tmp_path_factory):
+    root = tmp_path_factory.mktemp("autoround")
+    return build("autoround-q3", "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
+
+
+def _manifest(ctx):
+    return json.loads((ctx.bundle / "manifest.json").read_text())
+
+
+def test_autoround_q3_beats_rtn3_on_the_same_grid(ar_build, tiny_path):
+    m = _manifest(ar_build)
+    md = m["method_details"]
+    ar, rtn = md["autoround_metrics"], md["baseline_rtn"]["metrics"]
+    assert (md["baseline_rtn"]["bits"], md["baseline_rtn"]["group_size"], md["baseline_rtn"]["sym"]) == (3, 128, True)
+    # The manifest's RTN figure is what the project's RTN gives on the same held-out set ...
+    ckpt = Checkpoint(tiny_path)
+    config = ckpt.config()
+    ds = md["fidelity_dataset"]
+    held = calibration.build(ds["name"], config, ds["nsamples"], ds["seqlen"])
+    assert held.sha256 == ds["sha256"] == m["evaluation"]["dataset"]["sha256"]
+    linears = [k.removesuffix(".weight") for k, v in m["tensors"].items() if v["format"] == "gptq"]
+    rtn_w = {k: quantize_rtn(ckpt.get(k + ".weight"), RTNConfig(3, 128, True)).dequantize() for k in linears}
+    mine = compare(config, ckpt.get, lambda n: rtn_w[m] if (m := n.removesuffix(".weight")) in rtn_w else ckpt.get(n),
+                   held.ids)
+    assert mine["kl_audio_mean"] == pytest.approx(rtn["kl_audio_mean"], rel=1e-4)
+    # ... and the tuned figure is the evaluate stage's (which reads the packed bundle tensors).
+    for k in ("kl_text", "kl_audio_mean", "top1_audio_mean", "final_rel_error"):
+        assert ar[k] == pytest.approx(m["evaluation"]["metrics"][k], rel=1e-4, abs=1e-6)
+    assert 0 < ar["kl_audio_mean"] < rtn["kl_audio_mean"]
+    assert ar["kl_text"] < rtn["kl_text"]
+    assert ar["final_rel_error"] < rtn["final_rel_error"]
+    assert ar["top1_audio_mean"] > rtn["top1_audio_mean"]
+
+
+def test_bundle_is_autoround_format_with_protected_tensors(ar_build):
+    m = _manifest(ar_build)
+    qc = json.loads((ar_build.bundle / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "auto-round" and qc["packing_format"] == "auto_round:auto_gptq"
+    assert (qc["bits"], qc["group_size"], qc["sym"], qc["iters"]) == (3, 128, True, 20)
+    assert qc["block_name_to_quantize"] == "language_model.layers"
+    gptq = [k for k, v in m["tensors"].items() if v["format"] == "gptq"]
+    assert len(gptq) == 28 and all(k.startswith("language_model.layers.") for k in gptq)
+    assert {"language_model.embed_tokens.weight", "emb_ext.0.weight", "lm_heads.0.weight", "lm_heads.32.weight",
+            "language_model.norm.weight", "language_model.layers.0.input_layernorm.weight"} <= set(m["protected"])
+    bpw = m["bits_per_weight"]
+    assert bpw["quantized_linear"] == pytest.approx(3 + (16 + 3) / 128)  # fp16 scales, 3-bit zeros per group
+    assert bpw["effective"] > 3.5  # embeddings and heads are BF16: the point of recording it
+    assert m["method"] == "autoround" and m["method_details"]["tuned_blocks"] == "language_model.layers"
+
+
+def test_transformers_loads_the_exported_backbone_like_our_loader(ar_build, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dest = export_backbone(ar_build.bundle, tmp_path / "backbone")
+    cfg = json.loads((dest / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["quantization_config"]["block_name_to_quantize"] == "model.layers"
+    hf = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.bfloat16, device_map="cpu").eval()
+    q_proj = hf.model.layers[0].self_attn.q_proj
+    assert hasattr(q_proj, "qweight") and not isinstance(getattr(q_proj, "weight", None), torch.nn.Parameter)
+    ours = load_bundle(ar_build.bundle, dtype=torch.bfloat16)
+    ids = calibration.build("moss-heldout-v1", Checkpoint(ar_build.bundle).config(), 2, 64).ids
+    with torch.no_grad():
+        x = ours.embed(ids)
+        h_ours = ours.language_model(inputs_embeds=x, use_cache=False).last_hidden_state.float()
+        h_hf = hf.model(inputs_embeds=x, use_cache=False).last_hidden_state.float()
+        text_ours = ours.lm_heads[0](h_ours.bfloat16()).float()
+        text_hf = hf(inputs_embeds=x, use_cache=False).logits.float()
+    rel = ((h_hf - h_ours).norm() / h_ours.norm()).item()
+    assert rel < 2e-2, rel  # same integers and scales; only kernel arithmetic order differs
+    assert (text_hf.argmax(-1) == text_ours.argmax(-1)).float().mean() > 0.95
+
+
+def test_export_refuses_an_existing_folder(ar_build, tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(PipelineError, match="already exists"):
+        export_backbone(ar_build.bundle, tmp_path / "taken")
+
+
+@pytest.fixture(scope="module")
+def small_run(tiny_path, tmp_path_factory):
+    """One block of the tiny fixture tuned by auto-round directly, with every hub path trapped."""
+    import datasets
+    import huggingface_hub
+    from auto_round import calib_dataset
+
+    fetched = []
+
+    def trap(name):
+        def f(*a, **k):
+            fetched.append(name)
+            raise RuntimeError(f"auto-round tried to fetch through {name}")
+        return f
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(calib_dataset, "get_dataloader", trap("get_dataloader"))
+    mp.setattr(datasets, "load_dataset", trap("datasets.load_dataset"))
+    for fn in ("hf_hub_download", "snapshot_download"):
+        mp.setattr(huggingface_hub, fn, trap(fn))
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    one = dataclasses.replace(mcfg, language_config={**mcfg.language_config, "num_hidden_layers": 1}).qwen3()
+    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
+    model, data = embeds_lm(one, lambda n: ckpt.get("language_model." + n), blocks.embed(mcfg, ckpt.get, ids))
+    deterministic_before = torch.are_deterministic_algorithms_enabled()
+    ar = compressor(model, data, AutoRoundConfig(iters=2, nsamples=4, seqlen=64, batch_size=2), seed=0, device="cpu")
+    try:
+        ar.quantize()
+        ours = int_weights(model)
+        out = tmp_path_factory.mktemp("saved")
+        ar.save_quantized(str(out), format="auto_round")
+    finally:
+        torch.use_deterministic_algorithms(deterministic_before)
+        mp.undo()
+    return ours, out, fetched
+
+
+def test_never_fetches_from_a_hub(small_run):
+    _, _, fetched = small_run
+    assert fetched == []
+    with pytest.raises(QuantizerError, match="list of id tensors"):
+        compressor(torch.nn.Linear(2, 2), "NeelNanda/pile-10k", AutoRoundConfig(), seed=0, device="cpu")
+
+
+def test_our_gptq_packing_is_bit_identical_to_autoround_save_quantized(small_run):
+    ours, out, _ = small_run
+    saved = {}
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            saved.update(load_file(str(out / f)))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["packing_format"] == "auto_round:auto_gptq"
+    assert len(ours) == 7
+    for name, iw in ours.items():
+        assert iw.bits == 3 and iw.sym and int(iw.q.max()) <= 7
+        for part, t in pack_gptq(iw).items():
+            ref = saved[f"model.{name}.{part}"]
+            assert ref.dtype == t.dtype and torch.equal(ref, t), f"{name}.{part}"
+
+
+def _profile(tmp_path, calibrate, quantize) -> str:
+    lines = ["name: ar-bad", "kind: generator", "seed: 0", "stages:"]
+    if calibrate:
+        lines.append(f"  calibrate: {calibrate}")
+    lines += [f"  quantize: {quantize}", "  export: {shard_size_mb: 64}"]
+    p = tmp_path / "ar-bad.yaml"
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+@pytest.mark.parametrize("bad, key", [("bits: 5", "bits"), ("group_size: 96", "group_size"), ("iters: 0", "iters")])
+def test_unsupported_grid_is_refused_at_load(tmp_path, bad, key):
+    path = _profile(tmp_path, "{nsamples: 4, seqlen: 64}", f"{{method: autoround, {bad}}}")
+    with pytest.raises(PipelineError, match=rf"stages\.quantize\.{key}: .*(not supported|must be)"):
+        load_profile(path, "tiny")
+
+
+def _nothing_written(root):
+    assert not (root / "bundles").exists()
+    assert not list((root / "cache").glob("quantize/*"))
+
+
+def test_calibration_shorter_than_seqlen_is_refused(tmp_path):
+    path = _profile(tmp_path, "{nsamples: 4, seqlen: 64}",
+                    "{method: autoround, iters: 2, nsamples: 4, seqlen: 128, batch_size: 2}")
+    with pytest.raises(PipelineError, match=r"0 of 4 calibration sequences are usable \(length 64, quantize.seqlen is 128\)"):
+        build(path, "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
+    _nothing_written(tmp_path)
+
+
+def test_fewer_calibration_sequences_than_nsamples_is_refused(tmp_path):
+    path = _profile(tmp_path, "{nsamples: 4, seqlen: 64}",
+                    "{method: autoround, iters: 2, nsamples: 8, seqlen: 64, batch_size: 2}")
+    with pytest.raises(PipelineError, match="4 of 4 calibration sequences are usable.*nsamples needs 8"):
+        build(path, "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
+    _nothing_written(tmp_path)
+
+
+def test_no_calibration_stage_is_one_clear_error(tmp_path):
+    path = _profile(tmp_path, None, "{method: autoround, iters: 2, nsamples: 4, seqlen: 64}")
+    with pytest.raises(PipelineError, match="method 'autoround' needs a calibrate stage"):
+        build(path, "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
+    _nothing_written(tmp_path)
