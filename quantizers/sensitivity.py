@@ -76,12 +76,16 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return x.t() @ x
 
 
-def output_error(weight: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool) -> float:
-    """||X (W_q - W)^T||^2 / ||X W^T||^2 for W quantized alone by RTN at `bits`, via H = X^T X."""
+def output_errors(weight: torch.Tensor, h: torch.Tensor, widths, group_size: int, sym: bool) -> dict[int, float]:
+    """{bits: ||X (W_q - W)^T||^2 / ||X W^T||^2} for W quantized alone by RTN at each width, via H = X^T X."""
     w = weight.float()
-    dw = (fake_quantize(w, RTNConfig(bits, group_size, sym)) - w).double()
-    ref = ((w.double() @ h) * w.double()).sum()
-    return float(((dw @ h) * dw).sum() / ref.clamp(min=1e-30))
+    wd = w.double()
+    ref = ((wd @ h) * wd).sum().clamp(min=1e-30)
+    out = {}
+    for bits in widths:
+        dw = (fake_quantize(w, RTNConfig(bits, group_size, sym)) - w).double()
+        out[bits] = float(((dw @ h) * dw).sum() / ref)
+    return out
 
 
 @dataclass(frozen=True)

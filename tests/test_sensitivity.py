@@ -16,7 +16,7 @@ from pipelines.source import CONFIGS
 from quantizers.errors import QuantizerError
 from quantizers.rtn import RTNConfig, fake_quantize
 from quantizers.sensitivity import (SensitivityConfig, allocate, bits_per_weight, estimated_bpw, gram,
-                                    output_error, upgrade_order)
+                                    output_errors, upgrade_order)
 
 Q = "language_model.layers.{}.{}"
 
@@ -29,11 +29,10 @@ def test_score_is_the_relative_output_error_on_the_calibration_activations():
     w = torch.randn(64, 256, generator=g)
     h = gram(x[0]) + gram(x[1:])  # accumulated over batches as the hooks do
     xs = x.reshape(-1, 256).double()
-    scores = {}
+    scores = output_errors(w, h, (2, 3, 4, 8), 128, False)
     for b in (2, 3, 4, 8):
         dw = (fake_quantize(w, RTNConfig(b, 128, False)) - w).double()
         direct = (xs @ dw.t()).pow(2).sum() / (xs @ w.double().t()).pow(2).sum()
-        scores[b] = output_error(w, h, b, 128, False)
         assert scores[b] == pytest.approx(direct.item(), rel=1e-9)
     assert scores[2] > scores[3] > scores[4] > scores[8] > 0
 

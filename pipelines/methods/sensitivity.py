@@ -2,7 +2,7 @@
 
 `measure` (a stage of its own, so a changed budget reuses the cached scores): every decoder
 Linear is quantized alone at each candidate width and scored on the calibration activations
-of the BF16 stream (quantizers.sensitivity.output_error), one block resident at a time. The
+of the BF16 stream (quantizers.sensitivity.output_errors), one block resident at a time. The
 scores go to a versioned, canonical `measurement.json`, or a measurement file named in the
 profile is reused after checking it was taken on this source and calibration set.
 
@@ -21,7 +21,7 @@ import torch
 from quantizers.errors import QuantizerError
 from quantizers.rtn import SUPPORTED_BITS, RTNConfig, quantize_rtn
 from quantizers.sensitivity import (KEEP_BF16, SensitivityConfig, allocate, bits_per_weight, estimated_bpw, gram,
-                                    output_error, sig)
+                                    output_errors, sig)
 
 from .. import blocks
 from ..checkpoint import canonical_json, sha256_file
@@ -64,13 +64,11 @@ class MeasureParams:
         return p if p.is_absolute() else ROOT / p
 
 
-def _measure(ctx, params: MeasureParams) -> dict:
+def _measure(ctx, params: MeasureParams, device: str) -> dict:
+    from ..calibration import load_ids
+
     ckpt = ctx.checkpoint()
     cfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    from ..calibration import load_ids
-    from ..stages import resolve_device
-
-    device = resolve_device("auto")
     ids = load_ids(ctx.dirs["calibrate"])
     hidden = blocks.embed(cfg, ckpt.get, ids, device=device)
     pos = blocks.rotary(cfg, ids.shape[1], device=device)
@@ -91,11 +89,10 @@ def _measure(ctx, params: MeasureParams) -> dict:
             name = f"{BLOCK_PREFIX}.{i}.{m}"
             w = ckpt.get(name + ".weight").to(device)
             try:
-                scores = {str(b): sig(output_error(w, grams[m], b, params.group_size, params.sym))
-                          for b in sorted(params.candidate_bits)}
+                errs = output_errors(w, grams[m], sorted(params.candidate_bits), params.group_size, params.sym)
             except QuantizerError as e:
                 raise PipelineError(str(e)) from None
-            tensors[name] = {"shape": list(w.shape), "scores": scores}
+            tensors[name] = {"shape": list(w.shape), "scores": {str(b): sig(e) for b, e in errs.items()}}
         hidden = out
         del layer
     return tensors
@@ -105,7 +102,10 @@ def run_measure(ctx, params: MeasureParams, out: Path) -> dict:
     cal = ctx.results.get("calibrate")
     if cal is None:
         raise PipelineError(f"{ctx.profile.path}: stage 'measure' needs a calibrate stage before it")
+    from ..stages import resolve_device
+
     digest = pins_digest(ctx.spec)
+    device = resolve_device("auto")
     if params.measurement is not None:
         data = load_measurement(params.path(), digest, cal["sha256"], params, params.measurement)
     else:
@@ -117,7 +117,8 @@ def run_measure(ctx, params: MeasureParams, out: Path) -> dict:
             "grid": {"method": "rtn", "group_size": params.group_size, "sym": params.sym},
             "candidate_bits": sorted(params.candidate_bits),
             "metric": METRIC,
-            "tensors": _measure(ctx, params),
+            "device": device.split(":")[0],  # float64 sums: reproducible on one device kind, close across kinds
+            "tensors": _measure(ctx, params, device),
         }
     text = canonical_json(data, indent=2)
     (out / MEASUREMENT).write_text(text)
