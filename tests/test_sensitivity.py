@@ -267,3 +267,15 @@ def test_bf16_protection_is_stored_plain_and_marked_like_auto_round(roots, tiny_
         assert torch.equal(q.get_parameter(n + ".weight"), src.get_parameter(n + ".weight"))
     alloc = m["method_details"]["allocation"]
     assert alloc["estimated_backbone_bpw"] == pytest.approx(m["bits_per_weight"]["components"]["backbone_linears"]["bpw"], abs=1e-5)
+
+
+def test_a_pinned_measurement_hash_is_checked(tmp_path):
+    f = tmp_path / "m.json"
+    f.write_text("{}")
+    p = MeasureParams(measurement=str(f))
+    p.validate()  # filled in from the file: the stage cache follows the content
+    assert p.measurement_sha256 and len(p.measurement_sha256) == 64
+    with pytest.raises(ValueError, match="measurement_sha256: .* expected 000000000000"):
+        MeasureParams(measurement=str(f), measurement_sha256="0" * 64).validate()
+    with pytest.raises(ValueError, match="without a measurement file"):
+        MeasureParams(measurement_sha256="0" * 64).validate()

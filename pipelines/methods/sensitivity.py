@@ -45,7 +45,7 @@ class MeasureParams:
     sym: bool = False
     batch_size: int = 8
     measurement: str | None = None  # reuse this file (path relative to the repo root) instead of measuring
-    measurement_sha256: str | None = field(default=None, init=False)  # its content keys the stage cache
+    measurement_sha256: str | None = None  # the file's sha256: filled in when omitted, checked when given
 
     def validate(self):
         for b in self.candidate_bits:
@@ -57,7 +57,13 @@ class MeasureParams:
             path = self.path()
             if not path.is_file():
                 raise ValueError(f"measurement: no such file {self.measurement}")
-            self.measurement_sha256 = sha256_file(path)
+            got = sha256_file(path)  # the content, not the name, keys the stage cache
+            if self.measurement_sha256 not in (None, got):
+                raise ValueError(f"measurement_sha256: {self.measurement} has sha256 {got[:12]}..., "
+                                 f"expected {self.measurement_sha256[:12]}...")
+            self.measurement_sha256 = got
+        elif self.measurement_sha256 is not None:
+            raise ValueError("measurement_sha256: given without a measurement file")
 
     def path(self) -> Path:
         p = Path(self.measurement)
