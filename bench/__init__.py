@@ -1,0 +1,1 @@
+"""Scale benchmarks (issue 11): `python bench/run.py --help`."""

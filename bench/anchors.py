@@ -1,0 +1,122 @@
+"""The anchors run directly: autoawq's and auto-round's own quantize on the fixture's Qwen3 backbone.
+
+The backbone is the fixture's `language_model.*` (+ `lm_heads.0` as `lm_head`) saved as a plain
+Qwen3ForCausalLM folder with a word-level tokenizer over the same vocab, so both libraries load it
+offline the way a user loads Qwen3. Each anchor gets the settings of the profile it is compared
+with (samples, length, iterations, batch, bits, group, seed); its calibration is seeded random
+token ids of that count and length (the content does not change the cost).
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipelines.checkpoint import INDEX, Checkpoint, canonical_json, shard_names, shard_plan
+from pipelines.profile import load_profile
+from pipelines.stages import _stats_end, _stats_start
+
+SHARD_BYTES = 5 << 30
+
+
+def write_backbone(fixture: Path, out: Path) -> Path:
+    """The fixture's Qwen3 backbone as a Qwen3ForCausalLM folder (+ tokenizer), written atomically."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ckpt = Checkpoint(fixture)
+    names = {"model." + k.removeprefix("language_model."): k for k in ckpt.keys() if k.startswith("language_model.")}
+    names["lm_head.weight"] = "lm_heads.0.weight"
+    plan = shard_plan({k: 2 * math.prod(ckpt.shape(v)) for k, v in names.items()}, SHARD_BYTES)
+    files = shard_names(len(plan))
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for fname, keys in zip(files, plan):  # one shard in memory at a time
+            save_file({k: ckpt.get(names[k]) for k in keys}, str(tmp / fname), {"format": "pt"})
+        if len(files) > 1:
+            weight_map = {k: f for f, keys in zip(files, plan) for k in keys}
+            (tmp / INDEX).write_text(canonical_json({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}))
+        lc = ckpt.config()["language_config"]
+        config = {**lc, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "dtype": "bfloat16", "use_cache": False}
+        (tmp / "config.json").write_text(canonical_json(config, indent=2))
+        vocab = {f"t{i}": i for i in range(lc["vocab_size"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", model_max_length=1 << 20).save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def settings(anchor: str, model: str, profile: str | None = None) -> dict:
+    """The anchor's arguments, taken from the matching profile (or a copy of it) as resolved for `model`."""
+    prof = load_profile(profile or ANCHORS[anchor], model)
+    q = prof.stages["quantize"].config
+    if anchor == "autoawq":
+        return {"quant_config": {"w_bit": q.bits, "q_group_size": q.group_size, "zero_point": q.zero_point,
+                                 "version": q.version.upper()},
+                "max_calib_samples": q.nsamples, "max_calib_seq_len": q.seqlen,
+                "n_parallel_calib_samples": q.batch_size, "duo_scaling": q.duo_scaling, "apply_clip": q.apply_clip,
+                "seed": prof.seed}
+    return {"bits": q.bits, "group_size": q.group_size, "sym": q.sym, "iters": q.iters, "nsamples": q.nsamples,
+            "seqlen": q.seqlen, "batch_size": q.batch_size, "lr": q.lr,
+            "enable_deterministic_algorithms": q.enable_deterministic_algorithms,
+            "low_gpu_mem_usage": q.low_gpu_mem_usage, "seed": prof.seed}
+
+
+def calib_ids(folder: Path, n: int, seqlen: int, seed: int) -> torch.Tensor:
+    import json
+
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(seed))
+
+
+def run_autoawq(folder: Path, s: dict, device: str) -> dict:
+    from awq import AutoAWQForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    stats = {}
+    started = _stats_start()
+    tok = PreTrainedTokenizerFast.from_pretrained(folder)
+    model = AutoAWQForCausalLM.from_pretrained(str(folder))  # autoawq's default: weights on the host
+    stats["load"] = _stats_end(started)
+    ids = calib_ids(folder, s["max_calib_samples"], s["max_calib_seq_len"], s["seed"]).tolist()
+    started = _stats_start()
+    model.quantize(tok, quant_config=s["quant_config"], calib_data=ids, max_calib_samples=s["max_calib_samples"],
+                   max_calib_seq_len=s["max_calib_seq_len"], n_parallel_calib_samples=s["n_parallel_calib_samples"],
+                   duo_scaling=s["duo_scaling"], apply_clip=s["apply_clip"])
+    stats["quantize"] = _stats_end(started)
+    return stats
+
+
+def run_autoround(folder: Path, s: dict, device: str) -> dict:
+    from auto_round import AutoRound
+
+    ids = calib_ids(folder, s["nsamples"], s["seqlen"], s["seed"])
+    stats = {}
+    started = _stats_start()
+    ar = AutoRound(str(folder), bits=s["bits"], group_size=s["group_size"], sym=s["sym"],
+                   dataset=[row.unsqueeze(0) for row in ids], iters=s["iters"], nsamples=s["nsamples"],
+                   seqlen=s["seqlen"], batch_size=s["batch_size"], lr=s["lr"], seed=s["seed"],
+                   enable_deterministic_algorithms=s["enable_deterministic_algorithms"],
+                   low_gpu_mem_usage=s["low_gpu_mem_usage"] and device.startswith("cuda"),
+                   enable_torch_compile=False, device_map=device)
+    stats["load"] = _stats_end(started)
+    started = _stats_start()
+    ar.quantize()
+    stats["quantize"] = _stats_end(started)
+    return stats
+
+
+# anchor -> the profile whose settings it runs with
+ANCHORS = {"autoawq": "awq4", "auto-round": "autoround-q3"}
+RUNNERS = {"autoawq": run_autoawq, "auto-round": run_autoround}

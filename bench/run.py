@@ -1,0 +1,322 @@
+"""Scale benchmark (issue 11): our profiles and the anchors' own runs, per stage time and memory.
+
+    python bench/run.py --layers 2 --out bench-out/   # GPU: full-shape fixtures, 2 of 36 blocks at full width
+    python bench/run.py --smoke --out /tmp/bench      # CPU: tiny fixtures, the same code path, small settings
+
+Builds the fixtures (pinned in memory: the committed model YAMLs are left alone), runs each profile
+through the pipeline and each anchor directly, every one in a fresh subprocess (so peak host RSS is
+per run), and writes `bench.md` (the tables, also printed) and `bench.json` (raw figures) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `python bench/run.py` from a checkout, installed or not
+
+PROFILES = ("awq4", "autoround-q3", "sens-q3", "codec-fp8")
+FULL_BLOCKS = 36  # the real generator's decoder blocks
+BLOCK_STAGES = ("measure", "quantize", "evaluate", "export")  # stages whose work grows with the block count
+# --smoke: settings small enough for 2 CPU cores; applied only where a stage has the key.
+SMOKE = {"calibrate": {"nsamples": 4, "seqlen": 64},
+         "quantize": {"nsamples": 4, "seqlen": 64, "iters": 2, "batch_size": 2, "heldout_nsamples": 2, "heldout_seqlen": 64},
+         "evaluate": {"nsamples": 2, "seqlen": 64}}
+GIB_LIMIT = 8.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- fixtures and pins
+
+def pinned(spec, path: Path):
+    """The model spec with every file of `path` pinned (in memory only)."""
+    from pipelines.checkpoint import sha256_file
+    from pipelines.source import snapshot_files
+
+    return dataclasses.replace(spec, files={f: sha256_file(path / f) for f in snapshot_files(path)})
+
+
+def build_fixtures(model: str, layers: int | None, work: Path, device: str) -> dict:
+    """Generator fixture (N blocks), its codec fixture and the Qwen3 backbone; reused when already there."""
+    from pipelines.codec_fixtures import write_codec_fixture
+    from pipelines.fixtures import write_fixture
+    from pipelines.source import load_model_spec
+
+    from bench.anchors import write_backbone
+
+    gen_spec = load_model_spec(model)
+    codec_spec = load_model_spec(gen_spec.codec)
+    gen = work / f"{gen_spec.fixture}-L{layers or 'all'}-{device}"
+    codec = work / codec_spec.fixture
+    backbone = work / f"qwen3-{gen.name}"
+    for path, write in ((gen, lambda p: write_fixture(gen_spec.fixture, p, layers=layers, device=device)),
+                        (codec, lambda p: write_codec_fixture(codec_spec.fixture, p)),
+                        (backbone, lambda p: write_backbone(gen, p))):
+        if not path.exists():  # every writer is atomic: a folder that exists is complete
+            started = time.perf_counter()
+            write(path)
+            log(f"wrote {path} in {time.perf_counter() - started:.1f} s")
+    return {"generator": (pinned(gen_spec, gen), gen), "codec": (pinned(codec_spec, codec), codec), "backbone": backbone}
+
+
+def smoke_profile(name: str, model: str, work: Path) -> Path:
+    """A copy of the profile whose per-model overrides for `model` are shrunk by SMOKE."""
+    import yaml
+
+    from pipelines.profile import load_profile, profile_path
+
+    raw = yaml.safe_load(profile_path(name).read_text())
+    prof = load_profile(name, model)
+    over = raw.setdefault("models", {}).setdefault(model, {}) or {}
+    for stage, params in prof.stages.items():
+        fields = {f.name for f in dataclasses.fields(getattr(params, "config", params))}
+        small = {k: v for k, v in SMOKE.get(stage, {}).items() if k in fields}
+        if small:
+            over[stage] = {**(over.get(stage) or {}), **small}
+    raw["models"][model] = over
+    out = work / "profiles" / f"{name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+# ---------------------------------------------------------------- children (one per run)
+
+def child(job_file: str) -> None:
+    """Runs one profile or anchor and writes its figures next to the job."""
+    import resource
+
+    job = json.loads(Path(job_file).read_text())
+    started = time.perf_counter()
+    if job["what"] == "profile":
+        from pipelines.cli import build_from
+        from pipelines.source import ModelSpec
+
+        spec = ModelSpec(**{**job["spec"], "yaml_path": Path(job["spec"]["yaml_path"])})
+        ctx = build_from(job["profile"], spec, model_path=job["snapshot"], use_cache=False,
+                         cache_root=job["cache"], bundle_root=Path(job["bundles"]))
+        out = {"stages": ctx.stats, "gate": ctx.results.get("gate", {}).get("status"),
+               "bundle_gib": round(sum(p.stat().st_size for p in Path(ctx.bundle).rglob("*") if p.is_file()) / 2**30, 3)}
+    else:
+        from bench.anchors import RUNNERS
+        from pipelines.stages import resolve_device
+
+        out = {"stages": RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], resolve_device("auto"))}
+    out["process_wall_s"] = round(time.perf_counter() - started, 3)
+    out["process_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    Path(job["result"]).write_text(json.dumps(out, indent=2))
+
+
+def spawn(name: str, job: dict, out: Path, work: Path, keep: bool) -> dict:
+    job = {**job, "result": str(work / "jobs" / f"{name}.result.json"),
+           "cache": str(work / "cache" / name), "bundles": str(work / "bundles" / name)}
+    path = work / "jobs" / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(job, indent=2))
+    Path(job["result"]).unlink(missing_ok=True)
+    logfile = out / "logs" / f"{name}.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log(f"{name}: running (log {logfile})")
+    with open(logfile, "w") as f:
+        rc = subprocess.run([sys.executable, __file__, "--child", str(path)], stdout=f, stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT).returncode
+    if not keep:
+        shutil.rmtree(job["cache"], ignore_errors=True)
+        shutil.rmtree(job["bundles"], ignore_errors=True)
+    if rc != 0 or not Path(job["result"]).exists():
+        tail = logfile.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        log(f"{name}: FAILED (exit {rc}): {tail[0]}")
+        return {"failed": f"exit {rc}: {tail[0]}"}
+    res = json.loads(Path(job["result"]).read_text())
+    log(f"{name}: done in {res['process_wall_s']} s")
+    return res
+
+
+# ---------------------------------------------------------------- figures
+
+def totals(stages: dict) -> dict:
+    """Sum of stage walls; the largest of each peak."""
+    keys = ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib", "peak_rss_gib")
+    out = {"wall_s": round(sum(s["wall_s"] for s in stages.values()), 3)}
+    out.update({k: max(s[k] for s in stages.values()) for k in keys if all(k in s for s in stages.values())})
+    return out
+
+
+def extrapolated(stage: str, wall: float, layers: int) -> float:
+    return round(wall * FULL_BLOCKS / layers, 1) if stage in BLOCK_STAGES else wall
+
+
+def comparisons(runs: dict, layers: int) -> list[dict]:
+    from bench.anchors import ANCHORS
+
+    rows = []
+    for profile in ("awq4", "autoround-q3", "sens-q3"):
+        ours = runs.get(profile, {}).get("stages", {}).get("quantize")
+        if not ours:
+            continue
+        anchor = next((a for a, p in ANCHORS.items() if p == profile), None)
+        theirs = runs.get(anchor, {}).get("stages", {}).get("quantize") if anchor else None
+        row = {"profile": profile, "anchor": anchor, "ours_quantize_s": ours["wall_s"],
+               "ours_per_block_s": round(ours["wall_s"] / layers, 2),
+               "ours_36_blocks_s_extrapolated": round(ours["wall_s"] / layers * FULL_BLOCKS, 1)}
+        if theirs:
+            row.update({"anchor_quantize_s": theirs["wall_s"], "anchor_per_block_s": round(theirs["wall_s"] / layers, 2),
+                        "anchor_36_blocks_s_extrapolated": round(theirs["wall_s"] / layers * FULL_BLOCKS, 1),
+                        "ratio": round(ours["wall_s"] / theirs["wall_s"], 3)})
+        rows.append(row)
+    return rows
+
+
+def targets(runs: dict, comps: list[dict], gpu: bool) -> list[dict]:
+    out = []
+
+    def add(target, measured, met):
+        out.append({"target": target, "measured": measured, "met": met})
+
+    for p in ("awq4", "autoround-q3", "sens-q3"):
+        if "stages" in runs.get(p, {}):
+            peak = totals(runs[p]["stages"]).get("gpu_peak_allocated_gib")
+            add(f"{p}: peak GPU allocated <= 8 GiB", f"{peak} GiB" if gpu else "no GPU",
+                ("met" if peak <= GIB_LIMIT else "not met") if gpu else "n/a")
+    limits = {"awq4": 0.5, "autoround-q3": 1.1}
+    for c in comps:
+        if c["profile"] in limits:
+            r, lim = c.get("ratio"), limits[c["profile"]]
+            add(f"{c['profile']}: quantize wall <= {lim} x {c['anchor']}", f"{r} x" if r else "anchor not run",
+                ("met" if r <= lim else "not met") if r else "n/a")
+    for p in PROFILES:
+        if "stages" in runs.get(p, {}):
+            rss = runs[p]["process_peak_rss_gib"]
+            add(f"{p}: peak host RSS <= 8 GiB", f"{rss} GiB", "met" if rss <= GIB_LIMIT else "not met")
+    if "stages" in runs.get("codec-fp8", {}):
+        wall = totals(runs["codec-fp8"]["stages"])["wall_s"]
+        add("codec-fp8: all stages < 60 s", f"{wall} s", "met" if wall < 60 else "not met")
+    return out
+
+
+def fmt(v) -> str:
+    return "-" if v is None else str(v)
+
+
+def markdown(report: dict) -> str:
+    n = report["layers"]
+    lines = [f"GPU: {report['gpu']}  ", f"Command: `{report['command']}`  ",
+             f"Generator: {report['model']} with {n} of {FULL_BLOCKS} blocks at full width; codec: {report['codec']}  ",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
+             "### Per stage (measured)", "",
+             "| run | stage | wall s | GPU peak allocated GiB | GPU peak reserved GiB | peak RSS GiB "
+             f"| wall s, {FULL_BLOCKS} blocks (extrapolated) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, run in report["runs"].items():
+        if "stages" not in run:
+            lines.append(f"| {name} | failed: {run['failed']} | | | | | |")
+            continue
+        scale = name != "codec-fp8"
+        rows = list(run["stages"].items()) + [("**total**", totals(run["stages"]))]
+        for stage, s in rows:
+            ext = (round(sum(extrapolated(k, v["wall_s"], n) for k, v in run["stages"].items()), 1) if stage == "**total**"
+                   else extrapolated(stage, s["wall_s"], n)) if scale else None
+            lines.append(f"| {name} | {stage} | {s['wall_s']} | {fmt(s.get('gpu_peak_allocated_gib'))} "
+                         f"| {fmt(s.get('gpu_peak_reserved_gib'))} | {s['peak_rss_gib']} | {fmt(ext)} |")
+    lines += ["", f"Extrapolated = measured x {FULL_BLOCKS}/{n} for {', '.join(BLOCK_STAGES)} (their fixed costs are "
+              "scaled too, so it over-estimates); other stages as measured. Anchor `load` is not scaled.", "",
+              "### Ours vs the anchors (quantize stage vs the library's `quantize()`)", "",
+              "| profile | anchor | ours s | anchor s | ratio ours/anchor | ours s/block | anchor s/block "
+              f"| ours s, {FULL_BLOCKS} blocks (extrapolated) | anchor s, {FULL_BLOCKS} blocks (extrapolated) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in report["comparisons"]:
+        lines.append(f"| {c['profile']} | {fmt(c['anchor'])} | {c['ours_quantize_s']} | {fmt(c.get('anchor_quantize_s'))} "
+                     f"| {fmt(c.get('ratio'))} | {c['ours_per_block_s']} | {fmt(c.get('anchor_per_block_s'))} "
+                     f"| {c['ours_36_blocks_s_extrapolated']} | {fmt(c.get('anchor_36_blocks_s_extrapolated'))} |")
+    lines += ["", "### Targets (issue 11)", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in report["targets"]]
+    if report["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in report["skipped"].items())]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, help="decoder blocks to build (full width); default all 36 (1 with --smoke)")
+    p.add_argument("--out", default="artifacts/bench", help="folder for bench.md, bench.json and the run logs")
+    p.add_argument("--work", help="fixtures, caches and bundles (default OUT/work; fixtures are reused)")
+    p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated subset")
+    p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
+                   help="run autoawq and auto-round directly (default: on, off with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="tiny fixtures on CPU with small settings (CI)")
+    p.add_argument("--keep", action="store_true", help="keep each run's stage cache and bundle")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child)
+
+    import torch
+
+    from bench.anchors import ANCHORS, settings
+    from pipelines.profile import known_profiles
+    from pipelines.stages import library_versions
+
+    device = "cpu" if args.smoke else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = "tiny" if args.smoke else "full-shape"
+    layers = args.layers or (1 if args.smoke else None)
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out / "work"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children too: the smoke run is a CPU run
+    fx = build_fixtures(model, layers, work, device)
+    (gen_spec, gen_path), (codec_spec, codec_path) = fx["generator"], fx["codec"]
+    layers = json.loads((gen_path / "config.json").read_text())["language_config"]["num_hidden_layers"]
+
+    runs, skipped = {}, {}
+    for name in args.profiles.split(","):
+        if name not in known_profiles():
+            skipped[name] = "no configs/profiles/" + name + ".yaml yet"
+            continue
+        spec, path = (codec_spec, codec_path) if name.startswith("codec") else (gen_spec, gen_path)
+        profile = str(smoke_profile(name, spec.name, work)) if args.smoke else name
+        job = {"what": "profile", "profile": profile, "snapshot": str(path),
+               "spec": {**dataclasses.asdict(spec), "yaml_path": str(spec.yaml_path)}}
+        runs[name] = spawn(name, job, out, work, args.keep)
+    if args.anchors if args.anchors is not None else not args.smoke:
+        for anchor, profile in ANCHORS.items():
+            if profile not in known_profiles():
+                skipped[anchor] = f"its settings come from {profile}, which does not exist yet"
+                continue
+            copy = str(smoke_profile(profile, gen_spec.name, work)) if args.smoke else None  # the same shrink
+            s = settings(anchor, gen_spec.name, copy)
+            job = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s}
+            runs[anchor] = {**spawn(anchor, job, out, work, args.keep), "settings": s}
+    else:
+        skipped["anchors"] = "not requested (--anchors)"
+
+    comps = comparisons(runs, layers)
+    report = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "none (CPU run)",
+        "versions": library_versions(), "model": model, "codec": codec_spec.name, "layers": layers,
+        "full_blocks": FULL_BLOCKS, "runs": runs, "skipped": skipped, "comparisons": comps,
+        "targets": targets(runs, comps, device == "cuda"),
+    }
+    table = markdown(report)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
