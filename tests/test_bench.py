@@ -1,0 +1,28 @@
+"""bench/run.py --smoke: the benchmark's own code path on CPU with the tiny fixtures (issue 11)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pipelines.profile import known_profiles
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = [p for p in ("awq4", "autoround-q3", "sens-q3", "codec-fp8") if p in known_profiles()]
+
+
+def test_smoke_records_every_profile(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["layers"] == 1 and report["model"] == "tiny"
+    for name in PROFILES:
+        stages = report["runs"][name].get("stages")
+        assert stages, f"{name}: {report['runs'][name]}"
+        assert "quantize" in stages and all(s["wall_s"] > 0 and s["peak_rss_gib"] > 0 for s in stages.values())
+        assert report["runs"][name]["process_peak_rss_gib"] >= max(s["peak_rss_gib"] for s in stages.values())
+        assert f"| {name} | quantize |" in proc.stdout  # the printed table has the row
+    assert "### Targets" in (out / "bench.md").read_text()
+    targets = {t["target"] for t in report["targets"]}
+    assert {f"{p}: peak host RSS <= 8 GiB" for p in PROFILES} <= targets
