@@ -72,8 +72,9 @@ class Group:
 
 def autoawq_quantizer(cfg: AWQConfig):
     """An AwqQuantizer holding only what its per-block functions read."""
-    with warnings.catch_warnings():  # autoawq warns on import that it is deprecated / tested on older torch
-        warnings.simplefilter("ignore")
+    # autoawq's import sets its own warning filter and warns that it is deprecated (last tested on
+    # torch 2.6 / transformers 4.51): record that warning instead of printing it on every build.
+    with warnings.catch_warnings(record=True):
         from awq.quantize.quantizer import AwqQuantizer
 
     q = AwqQuantizer.__new__(AwqQuantizer)
@@ -84,6 +85,28 @@ def autoawq_quantizer(cfg: AWQConfig):
     q.modules_to_not_convert = []
     q.awq_model = SimpleNamespace(model_type="qwen3")  # only consulted for MoE special cases
     return q
+
+
+class _Snapshotting(nn.Module):
+    """Runs `inner` unchanged but gives autoawq a real copy when it snapshots it.
+
+    autoawq 0.2.9's `_compute_best_scale` saves `{k: v.cpu()}` of the inspected module, mutates
+    the weights in place per ratio and restores the saved dict. On CUDA `.cpu()` copies; on CPU it
+    returns the very same tensors, so the in-place `mul_` writes into the "snapshot" and the block
+    keeps the ratio-0 scales in its weights without the matching norm division (the block
+    function changes). Cloning here restores the intended semantics without touching its code.
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.forward = inner.forward  # same signature: autoawq filters kwargs by it
+
+    def state_dict(self, *args, **kwargs):
+        return {k: v.clone() for k, v in self.inner.state_dict().items()}
+
+    def load_state_dict(self, state, *args, **kwargs):
+        return self.inner.load_state_dict(state, *args, **kwargs)
 
 
 @torch.no_grad()
@@ -104,7 +127,7 @@ def awq_block(q, layer: nn.Module, inps: torch.Tensor, kwargs: dict, linears: li
             prev_op=layer.get_submodule(g.prev),
             layers=[named[n] for n in g.linears],
             inp=feats[g.linears[0]],
-            module2inspect=layer.get_submodule(g.inspect) if g.inspect else None,
+            module2inspect=_Snapshotting(layer.get_submodule(g.inspect) if g.inspect else named[g.linears[0]]),
             kwargs=dict(kwargs),
         )
         for g in groups
