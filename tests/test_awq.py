@@ -145,7 +145,7 @@ def _profile(tmp: Path, calibrate: dict, quantize: dict) -> Path:
         "quantize": {"method": "awq", "device": "cpu", "heldout_nsamples": 2, "heldout_seqlen": 64, **quantize},
         "export": {}}}
     path = tmp / "awq4-test.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
