@@ -13,7 +13,7 @@ from pipelines.checkpoint import Checkpoint
 from pipelines.cli import build
 from pipelines.errors import PipelineError
 from pipelines.evaluate import compare
-from pipelines.loader import load_bundle
+from pipelines.loader import load_bundle, load_source
 from pipelines.models.moss_tts_delay import MossTTSDelayConfig
 from pipelines.profile import load_profile
 from quantizers.autoround import AutoRoundConfig, compressor, embeds_lm, int_weights
@@ -73,26 +73,29 @@ def test_bundle_is_autoround_format_with_protected_tensors(ar_build):
     assert m["method"] == "autoround" and m["method_details"]["tuned_blocks"] == "language_model.layers"
 
 
-def test_transformers_loads_the_exported_backbone_like_our_loader(ar_build, tmp_path):
+def test_transformers_loads_the_exported_backbone_like_our_loader(ar_build, tiny_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     dest = export_backbone(ar_build.bundle, tmp_path / "backbone")
     cfg = json.loads((dest / "config.json").read_text())
     assert cfg["model_type"] == "qwen3" and cfg["quantization_config"]["block_name_to_quantize"] == "model.layers"
-    hf = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.bfloat16, device_map="cpu").eval()
+    # transformers' auto-round integration picks its own CPU kernel (it runs it in float16)
+    hf = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32, device_map="cpu").eval()
     q_proj = hf.model.layers[0].self_attn.q_proj
     assert hasattr(q_proj, "qweight") and not isinstance(getattr(q_proj, "weight", None), torch.nn.Parameter)
-    ours = load_bundle(ar_build.bundle, dtype=torch.bfloat16)
+    ours = load_bundle(ar_build.bundle, dtype=torch.float32)
+    source = load_source(tiny_path, dtype=torch.float32)
     ids = calibration.build("moss-heldout-v1", Checkpoint(ar_build.bundle).config(), 2, 64).ids
     with torch.no_grad():
         x = ours.embed(ids)
-        h_ours = ours.language_model(inputs_embeds=x, use_cache=False).last_hidden_state.float()
-        h_hf = hf.model(inputs_embeds=x, use_cache=False).last_hidden_state.float()
-        text_ours = ours.lm_heads[0](h_ours.bfloat16()).float()
-        text_hf = hf(inputs_embeds=x, use_cache=False).logits.float()
-    rel = ((h_hf - h_ours).norm() / h_ours.norm()).item()
-    assert rel < 2e-2, rel  # same integers and scales; only kernel arithmetic order differs
-    assert (text_hf.argmax(-1) == text_ours.argmax(-1)).float().mean() > 0.95
+        h_ours = ours.language_model(inputs_embeds=x, use_cache=False).last_hidden_state
+        h_hf = hf.model(inputs_embeds=x.to(hf.dtype), use_cache=False).last_hidden_state.float()
+        h_src = source.language_model(inputs_embeds=x, use_cache=False).last_hidden_state
+        top1_hf = hf(inputs_embeds=x.to(hf.dtype), use_cache=False).logits.argmax(-1)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    quant_error = rel(h_ours, h_src)  # what 3-bit quantization does: the check must see far less than this
+    assert rel(h_hf, h_ours) < min(2e-3, quant_error / 10), (rel(h_hf, h_ours), quant_error)
+    assert (top1_hf == ours.lm_heads[0](h_ours).argmax(-1)).float().mean() > 0.95
 
 
 def test_export_refuses_an_existing_folder(ar_build, tmp_path):
