@@ -61,7 +61,9 @@ class Checkpoint:
     def get(self, name: str, check_finite: bool = True) -> torch.Tensor:
         if name not in self.weight_map:
             raise PipelineError(f"{self.root}: tensor {name} not found")
-        t = self._handle(self.weight_map[name]).get_tensor(name)
+        # safetensors hands out views of a private mmap that the cached handle reuses: an in-place
+        # edit by a caller would change what the next get() of this tensor returns. Copy.
+        t = self._handle(self.weight_map[name]).get_tensor(name).clone()
         if check_finite and t.is_floating_point() and not torch.isfinite(t.float()).all():
             raise PipelineError(f"{self.root / self.weight_map[name]}: tensor {name} contains NaN or Inf")
         return t

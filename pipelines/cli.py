@@ -89,7 +89,7 @@ def build_from(profile: str | Path, spec, model_path=None, use_cache=True, cache
     verify(spec, path)
     ctx = RunContext(spec=spec, snapshot=path, profile=prof, device=resolve_device("auto"),
                      cache_root=Path(cache_root) if cache_root else default_cache_root())
-    ctx.bundle_root = bundle_root
+    ctx.bundle_root = Path(bundle_root) if bundle_root else None
     return run_stages(ctx, use_cache=use_cache)
 
 

@@ -20,7 +20,8 @@ def test_smoke_records_every_profile(tmp_path):
     for name in PROFILES:
         stages = report["runs"][name].get("stages")
         assert stages, f"{name}: {report['runs'][name]}"
-        assert "quantize" in stages and all(s["wall_s"] > 0 and s["peak_rss_gib"] > 0 for s in stages.values())
+        assert stages["quantize"]["wall_s"] > 0  # a fast stage (the gate) may round to 0.0 s
+        assert all(s["wall_s"] >= 0 and s["peak_rss_gib"] > 0 for s in stages.values())
         assert report["runs"][name]["process_peak_rss_gib"] >= max(s["peak_rss_gib"] for s in stages.values())
         assert f"| {name} | quantize |" in proc.stdout  # the printed table has the row
     assert "### Targets" in (out / "bench.md").read_text()

@@ -58,3 +58,12 @@ def test_wrong_channel_count_is_refused(tiny_path):
     model = load_source(tiny_path, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"expected shape \(B, S, 33\)"):
         model(torch.zeros(1, 4, 5, dtype=torch.long))
+
+
+def test_checkpoint_reads_are_private_copies(tiny_path):
+    ckpt = Checkpoint(tiny_path)
+    name = "language_model.layers.0.self_attn.q_proj.weight"
+    first = ckpt.get(name)
+    before = first.clone()
+    first.mul_(0)  # a method scaling a weight in place must not change the source
+    assert torch.equal(ckpt.get(name), before)
