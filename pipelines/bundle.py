@@ -129,6 +129,8 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
         files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
         config = dict(src_config)
         config["quantization_config"] = meta["quantization_config"]
+        if ctx.spec.kind == "codec":  # the FP32 source's dtype no longer describes it: BF16 at load
+            config.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in config})
         (tmp / "config.json").write_text(canonical_json(config, indent=2))
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=False))  # stage order matters
         files += ["config.json", "recipe.yaml"]

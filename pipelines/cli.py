@@ -129,6 +129,10 @@ def cmd_load(args):
         with torch.no_grad():
             out = model(ids)
         print(f"forward ok: {len(out)} heads, text logits {tuple(out[0].shape)}")
+    elif hasattr(model, "decode"):  # codec: 4 frames of code 0 on every codebook
+        q = model.config.quantizer
+        wav = model.decode(torch.zeros(q.num_quantizers, 1, 4, dtype=torch.long))
+        print(f"decode ok: 4 frames -> {wav.shape[-1]} samples at {model.config.sampling_rate} Hz, {model.decoder_dtype}")
 
 
 def _load_args(p):

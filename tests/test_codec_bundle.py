@@ -72,7 +72,9 @@ def test_bundle_is_decode_only_fp8(built, tiny):
     assert all(t[k].dtype == torch.bfloat16 for k in others)
     assert any(".norm1." in k for k in others) and any(".layer_scale_1." in k for k in others)
     assert any(k.endswith("codebook.weight") for k in others)
-    qc = json.loads((bundle / "config.json").read_text())["quantization_config"]
+    config = json.loads((bundle / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"  # what it loads as, not the FP32 source's dtype
+    qc = config["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
     assert sorted(qc["ignore"]) == sorted(kept) == sorted(m["method_details"]["fp8"]["kept_bf16"])
@@ -185,3 +187,13 @@ def test_cli_builds_codec_maps_model_tiny_and_refuses_kind_mismatch(tmp_path, ti
     r = run("quantize", "rtn4", "--model", "codec-tiny", "--model-path", str(tiny))
     err = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(err) == 1 and "generator" in err[0] and "codec-tiny" in err[0]
+
+
+def test_mossquant_load_decodes_a_codec_bundle(built, capsys):
+    from pipelines.cli import main
+
+    bundle, _ = built
+    main(["load", str(bundle)])
+    out = capsys.readouterr().out
+    cfg = read_config(Checkpoint(bundle))
+    assert f"decode ok: 4 frames -> {4 * cfg.downsample_rate} samples" in out and "torch.bfloat16" in out
