@@ -9,12 +9,11 @@ token ids of that count and length (the content does not change the cost).
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
+from pipelines.atomic import atomic_folder
 from pipelines.checkpoint import INDEX, Checkpoint, canonical_json, shard_names, shard_plan
 from pipelines.profile import load_profile
 from pipelines.stages import _stats_end, _stats_start
@@ -33,10 +32,7 @@ def write_backbone(fixture: Path, out: Path) -> Path:
     names["lm_head.weight"] = "lm_heads.0.weight"
     plan = shard_plan({k: 2 * math.prod(ckpt.shape(v)) for k, v in names.items()}, SHARD_BYTES)
     files = shard_names(len(plan))
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         for fname, keys in zip(files, plan):  # one shard in memory at a time
             save_file({k: ckpt.get(names[k]) for k in keys}, str(tmp / fname), {"format": "pt"})
         if len(files) > 1:
@@ -49,11 +45,6 @@ def write_backbone(fixture: Path, out: Path) -> Path:
         tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", model_max_length=1 << 20).save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -8,10 +8,9 @@ goes in as `inputs_embeds`.
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
+from .atomic import atomic_folder
 from .checkpoint import Checkpoint, canonical_json, write_sharded
 from .errors import PipelineError
 
@@ -46,15 +45,9 @@ def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path
         if qc.get("extra_config"):
             qc["extra_config"] = {backbone_name(k + ".").rstrip("."): v for k, v in sorted(qc["extra_config"].items())}
         qwen3["quantization_config"] = qc
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(dest, replace=False) as tmp:  # an existing dest makes the rename fail: never overwritten
         write_sharded(tmp, tensors, shard_size_mb << 20)
         (tmp / "config.json").write_text(canonical_json(qwen3, indent=2))
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

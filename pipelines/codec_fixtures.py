@@ -14,13 +14,12 @@ takes ~7 GB).
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from .atomic import atomic_folder
 from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
 from .models.moss_audio_tokenizer import CodecConfig, tensor_specs
@@ -121,10 +120,7 @@ def write_codec_fixture(name: str, out_dir: Path, seed: int = 0) -> Path:
     cfg = fixture_config(name)
     specs = tensor_specs(CodecConfig.from_dict(cfg))
     out = Path(out_dir)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         plan = shard_plan({k: 4 * math.prod(s) for k, s in specs.items()}, SHARD_BYTES)
         files = shard_names(len(plan))
         for fname, keys in progress(list(zip(files, plan)), desc=f"fixture {name}", unit="shard"):
@@ -135,9 +131,4 @@ def write_codec_fixture(name: str, out_dir: Path, seed: int = 0) -> Path:
             (tmp / INDEX).write_text(canonical_json({"metadata": {"total_size": sum(4 * math.prod(s) for s in specs.values())},
                                                      "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         (tmp / "config.json").write_text(canonical_json(cfg, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -9,13 +9,12 @@ channels in the embeddings, and heads scaled so the output distributions are pea
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from .atomic import atomic_folder
 from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
 
@@ -159,14 +158,11 @@ def write_fixture(name: str, out: Path, seed: int = 0, layers: int | None = None
     if layers:
         cfg["language_config"]["num_hidden_layers"] = layers
     specs = tensor_specs(cfg)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     sizes = {k: math.prod(s) * 2 for k, s in specs.items()}
     plan = shard_plan(sizes, SHAPES[name]["shard"])
     files = shard_names(len(plan)) if len(plan) > 1 else ["model-00001-of-00001.safetensors"]
     weight_map = {}
-    try:
+    with atomic_folder(out) as tmp:
         from .progress import progress
 
         for fname, keys in progress(list(zip(files, plan)), desc=f"fixture {name}", unit="shard"):
@@ -175,11 +171,6 @@ def write_fixture(name: str, out: Path, seed: int = 0, layers: int | None = None
         (tmp / INDEX).write_text(canonical_json({"metadata": {"total_size": sum(sizes.values())},
                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
         (tmp / "config.json").write_text(canonical_json(cfg, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -12,14 +12,13 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+from .atomic import atomic_folder
 from .checkpoint import canonical_json
 from .errors import PipelineError
 from .source import ARTIFACTS, ROOT, ModelSpec, pins_digest
@@ -136,17 +135,9 @@ def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
             ctx.log(f"stage {name}: cached ({key[:12]})")
         else:
             ctx.log(f"stage {name}: running ({key[:12]})")
-            tmp = final.with_name(f"{key}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            try:
+            with atomic_folder(final) as tmp:
                 result = _p(spec.run)(ctx, params, tmp)
                 (tmp / "result.json").write_text(canonical_json(result, indent=2))
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
         ctx.dirs[name] = final
         ctx.results[name] = json.loads((final / "result.json").read_text())
         ctx.stats[name] = _stats_end(started)
