@@ -95,8 +95,6 @@ def smoke_profile(name: str, model: str, work: Path) -> Path:
 
 def child(job_file: str) -> None:
     """Runs one profile or anchor and writes its figures next to the job."""
-    import resource
-
     job = json.loads(Path(job_file).read_text())
     started = time.perf_counter()
     if job["what"] == "profile":
@@ -114,7 +112,7 @@ def child(job_file: str) -> None:
 
         out = {"stages": RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], resolve_device("auto"))}
     out["process_wall_s"] = round(time.perf_counter() - started, 3)
-    out["process_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    out["process_peak_rss_gib"] = max(s["peak_rss_gib"] for s in out["stages"].values())  # stage peaks reset VmHWM
     Path(job["result"]).write_text(json.dumps(out, indent=2))
 
 

@@ -8,12 +8,16 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .errors import PipelineError
 
 INDEX = "model.safetensors.index.json"
+# safetensors dtype codes -> torch (what the pipeline reads: fixtures, upstream checkpoints, bundles)
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+          "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+READ_CHUNK = 1 << 30  # one read() call returns at most ~2 GiB on Linux
 
 
 class Checkpoint:
@@ -21,6 +25,7 @@ class Checkpoint:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._headers: dict[str, tuple[dict, int]] = {}
         index = self.root / INDEX
         if index.exists():
             try:
@@ -31,9 +36,7 @@ class Checkpoint:
             single = self.root / "model.safetensors"
             if not single.exists():
                 raise PipelineError(f"{self.root}: no {INDEX} or model.safetensors")
-            with safe_open(single, "pt") as f:
-                self.weight_map = {k: single.name for k in f.keys()}
-        self._handles: dict[str, object] = {}
+            self.weight_map = {k: single.name for k in self._header(single.name)[0]}
 
     def config(self) -> dict:
         path = self.root / "config.json"
@@ -47,29 +50,59 @@ class Checkpoint:
     def keys(self) -> list[str]:
         return sorted(self.weight_map)
 
-    def _handle(self, fname: str):
-        if fname not in self._handles:
+    def _header(self, fname: str) -> tuple[dict, int]:
+        """A shard's safetensors header and where its data starts, checked against the file size."""
+        if fname not in self._headers:
             path = self.root / fname
             try:
-                self._handles[fname] = safe_open(path, "pt")
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(n))
+                    size = os.fstat(f.fileno()).st_size
             except FileNotFoundError:
                 raise PipelineError(f"{path}: shard missing (named in {INDEX})") from None
-            except Exception as e:  # safetensors raises its own error types for truncation
-                raise PipelineError(f"{path}: unreadable safetensors shard ({e})") from None
-        return self._handles[fname]
+            except (ValueError, UnicodeDecodeError, MemoryError, OverflowError) as e:
+                raise PipelineError(f"{path}: unreadable safetensors shard (bad header: {e})") from None
+            header.pop("__metadata__", None)
+            end = max((v["data_offsets"][1] for v in header.values()), default=0)
+            if size < 8 + n + end:
+                raise PipelineError(f"{path}: unreadable safetensors shard (truncated: {size} bytes, "
+                                    f"the header needs {8 + n + end})")
+            self._headers[fname] = (header, 8 + n)
+        return self._headers[fname]
 
     def get(self, name: str, check_finite: bool = True) -> torch.Tensor:
         if name not in self.weight_map:
             raise PipelineError(f"{self.root}: tensor {name} not found")
-        # safetensors hands out views of a private mmap that the cached handle reuses: an in-place
-        # edit by a caller would change what the next get() of this tensor returns. Copy.
-        t = self._handle(self.weight_map[name]).get_tensor(name).clone()
+        t = self._read(self.weight_map[name], name)
         if check_finite and t.is_floating_point() and not torch.isfinite(t.float()).all():
             raise PipelineError(f"{self.root / self.weight_map[name]}: tensor {name} contains NaN or Inf")
         return t
 
+    def _read(self, fname: str, name: str) -> torch.Tensor:
+        """The tensor's bytes read into fresh memory. Not safetensors' get_tensor: its tensors are
+        views of a private mmap that the cached handle reuses (an in-place edit by a caller would
+        change the next read), and the mapped pages count as resident on top of any copy."""
+        (header, base), path = self._header(fname), self.root / fname
+        if name not in header:
+            raise PipelineError(f"{path}: tensor {name} not found (the index names this shard)")
+        info = header[name]
+        start, end = info["data_offsets"]
+        if info["dtype"] not in DTYPES:
+            raise PipelineError(f"{path}: tensor {name} has dtype {info['dtype']} (expected one of {', '.join(DTYPES)})")
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            while done < len(view):
+                got = f.readinto(view[done: done + READ_CHUNK])
+                if not got:
+                    raise PipelineError(f"{path}: truncated inside tensor {name}")
+                done += got
+        return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        return list(self._header(self.weight_map[name])[0][name]["shape"])
 
     def num_params(self) -> int:
         return sum(math.prod(self.shape(k)) for k in self.weight_map)

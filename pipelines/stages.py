@@ -144,6 +144,20 @@ def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
     return ctx
 
 
+def _peak_rss_gib() -> float:
+    """Peak resident set since the last reset: Linux's VmHWM, else getrusage (never reset, and
+    on Linux it also carries a forked parent's RSS across exec: only a fallback)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def _stats_start() -> float:
     import time
 
@@ -151,18 +165,20 @@ def _stats_start() -> float:
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    try:  # reset VmHWM so the figure is this stage's own peak
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
     return time.perf_counter()
 
 
 def _stats_end(started: float) -> dict:
-    """Wall time, the allocator's peaks on the device, and the process's peak RSS so far."""
-    import resource
+    """Wall time, the allocator's peaks on the device, and the peak RSS, all since _stats_start."""
     import time
 
     import torch
 
-    out = {"wall_s": round(time.perf_counter() - started, 3),
-           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    out = {"wall_s": round(time.perf_counter() - started, 3), "peak_rss_gib": round(_peak_rss_gib(), 3)}
     if torch.cuda.is_available():
         out["gpu_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         out["gpu_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
