@@ -75,7 +75,7 @@ class Checkpoint:
         if name not in self.weight_map:
             raise PipelineError(f"{self.root}: tensor {name} not found")
         t = self._read(self.weight_map[name], name)
-        if check_finite and t.is_floating_point() and not torch.isfinite(t.float()).all():
+        if check_finite and t.is_floating_point() and not all_finite(t):
             raise PipelineError(f"{self.root / self.weight_map[name]}: tensor {name} contains NaN or Inf")
         return t
 
@@ -106,6 +106,12 @@ class Checkpoint:
 
     def num_params(self) -> int:
         return sum(math.prod(self.shape(k)) for k in self.weight_map)
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """No NaN/Inf, checked in chunks: a whole-tensor float copy of an embedding table is GiBs."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(c.float()).all()) for c in flat.split(chunk))
 
 
 def shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
