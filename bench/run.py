@@ -295,6 +295,9 @@ def main(argv=None) -> None:
             if profile not in known_profiles():
                 skipped[anchor] = f"its settings come from {profile}, which does not exist yet"
                 continue
+            if profile not in args.profiles.split(","):
+                skipped[anchor] = f"its profile {profile} is not in --profiles"
+                continue
             copy = str(smoke_profile(profile, gen_spec.name, work)) if args.smoke else None  # the same shrink
             s = settings(anchor, gen_spec.name, copy)
             job = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s}

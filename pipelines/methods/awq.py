@@ -101,7 +101,7 @@ def awq_layers(ckpt: Checkpoint, cfg: AWQConfig, ids: torch.Tensor, device: str,
     """Yields (i, block i with AWQ scales folded and clipping applied, still FP, info); one block resident."""
     mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
     q = autoawq_quantizer(cfg)
-    dtype = cfg.torch_dtype
+    dtype = cfg.torch_dtype(device)
     hidden = blocks.embed(mcfg, ckpt.get, ids, dtype, device)  # summed text + audio embeddings, not text alone
     kwargs = {"position_embeddings": blocks.rotary(mcfg, ids.shape[1], dtype, device), "attention_mask": None}
     for i in progress(range(mcfg.num_layers), desc="awq", unit="block"):
@@ -141,6 +141,7 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> QuantResult:
     result.extra = {
         "library": "autoawq AwqQuantizer: _search_best_scale, apply_scale, _search_best_clip, apply_clip, pseudo_quantize_tensor",
         "n_grid": N_GRID,
+        "search_dtype": str(cfg.torch_dtype(device)).removeprefix("torch."),
         "calibration_tokens": {"nsamples": cfg.nsamples, "seqlen": cfg.seqlen},
         "skipped_groups": skipped,
         "blocks": per_block,
