@@ -47,8 +47,8 @@ def pinned(spec, path: Path):
     return dataclasses.replace(spec, files={f: sha256_file(path / f) for f in snapshot_files(path)})
 
 
-def build_fixtures(model: str, layers: int | None, work: Path, device: str) -> dict:
-    """Generator fixture (N blocks), its codec fixture and the Qwen3 backbone; reused when already there."""
+def build_fixtures(model: str, layers: int | None, work: Path, device: str, codec_needed: bool = True) -> dict:
+    """Generator fixture (N blocks), its codec fixture (when needed) and the Qwen3 backbone; reused when there."""
     from pipelines.codec_fixtures import write_codec_fixture
     from pipelines.fixtures import write_fixture
     from pipelines.source import load_model_spec
@@ -60,14 +60,16 @@ def build_fixtures(model: str, layers: int | None, work: Path, device: str) -> d
     gen = work / f"{gen_spec.fixture}-L{layers or 'all'}-{device}"
     codec = work / codec_spec.fixture
     backbone = work / f"qwen3-{gen.name}"
-    for path, write in ((gen, lambda p: write_fixture(gen_spec.fixture, p, layers=layers, device=device)),
-                        (codec, lambda p: write_codec_fixture(codec_spec.fixture, p)),
-                        (backbone, lambda p: write_backbone(gen, p))):
+    writers = [(gen, lambda p: write_fixture(gen_spec.fixture, p, layers=layers, device=device)),
+               (backbone, lambda p: write_backbone(gen, p))]
+    if codec_needed:
+        writers.append((codec, lambda p: write_codec_fixture(codec_spec.fixture, p)))
+    for path, write in writers:
         if not path.exists():  # every writer is atomic: a folder that exists is complete
             started = time.perf_counter()
             write(path)
             log(f"wrote {path} in {time.perf_counter() - started:.1f} s")
-    return {"generator": (pinned(gen_spec, gen), gen), "codec": (pinned(codec_spec, codec), codec), "backbone": backbone}
+    return {"generator": (pinned(gen_spec, gen), gen), "codec": (pinned(codec_spec, codec) if codec.exists() else codec_spec, codec), "backbone": backbone}
 
 
 def smoke_profile(name: str, model: str, work: Path) -> Path:
@@ -276,7 +278,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children too: the smoke run is a CPU run
-    fx = build_fixtures(model, layers, work, device)
+    fx = build_fixtures(model, layers, work, device, codec_needed=any(p.startswith("codec") for p in args.profiles.split(",")))
     (gen_spec, gen_path), (codec_spec, codec_path) = fx["generator"], fx["codec"]
     layers = json.loads((gen_path / "config.json").read_text())["language_config"]["num_hidden_layers"]
 
