@@ -11,6 +11,8 @@ AWQ GEMM (AutoAWQ `version: gemm`, 4-bit only):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .errors import QuantizerError
@@ -108,3 +110,20 @@ def unpack_awq(tensors: dict[str, torch.Tensor], group_size: int) -> IntWeight:
     zeros = _unpack_awq_cols(tensors["qzeros"]).t().contiguous()
     scales = tensors["scales"].float().t().contiguous()
     return IntWeight(q, scales, zeros, 4, group_size, sym=False)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A Linear's stored parts (qweight, qzeros, scales) and its grid: what the bundle holds.
+    Methods pack each Linear as soon as it is quantized, so a whole model's integers are never
+    resident unpacked (int [out, in] is 2-8x the packed size)."""
+    parts: dict[str, torch.Tensor]
+    bits: int
+    group_size: int
+    sym: bool
+
+
+def pack(iw: IntWeight, layout: str) -> PackedWeight:
+    """`layout`: "gptq" (auto-round / GPTQ v1) or "awq" (AWQ GEMM)."""
+    packer = {"gptq": pack_gptq, "awq": pack_awq}[layout]
+    return PackedWeight(packer(iw.to_cpu()), iw.bits, iw.group_size, iw.sym)

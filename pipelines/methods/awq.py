@@ -13,7 +13,7 @@ import torch
 
 from quantizers.awq import N_GRID, AWQConfig, Group, autoawq_quantizer, awq_block, int_weight
 from quantizers.errors import QuantizerError
-from quantizers.packing import pack_awq
+from quantizers.packing import pack
 from quantizers.rtn import RTNConfig, fake_quantize
 
 from .. import blocks
@@ -127,7 +127,7 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> QuantResult:
         pre = f"{BLOCK_PREFIX}.{i}."
         for rel in BLOCK_LINEARS:
             try:
-                quantized[pre + rel] = int_weight(q, layer.get_submodule(rel).weight, pre + rel + ".weight").to_cpu()
+                quantized[pre + rel] = pack(int_weight(q, layer.get_submodule(rel).weight, pre + rel + ".weight"), "awq")
             except QuantizerError as e:
                 raise PipelineError(str(e)) from None
         for g in plan[i]:
@@ -156,12 +156,11 @@ def awq_result(ckpt: Checkpoint, quantized: dict, folded: dict[str, torch.Tensor
     for name in ckpt.keys():
         module = name.removesuffix(".weight")
         if module in quantized:
-            iw = quantized[module]
-            packed = pack_awq(iw)
-            for part, t in packed.items():
+            pw = quantized[module]
+            for part, t in pw.parts.items():
                 tensors[f"{module}.{part}"] = t
-            layout[name] = {"format": "awq", "bits": iw.bits, "group_size": iw.group_size, "sym": False,
-                            "stored": sorted(f"{module}.{p}" for p in packed)}
+            layout[name] = {"format": "awq", "bits": pw.bits, "group_size": pw.group_size, "sym": False,
+                            "stored": sorted(f"{module}.{p}" for p in pw.parts)}
         else:
             tensors[name] = (folded[name] if name in folded else ckpt.get(name)).to(torch.bfloat16)
             reason = FOLDED_REASON if name in folded else PROTECT_REASON[component_of(name)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from quantizers.packing import pack_gptq
+from quantizers.packing import PackedWeight, pack
 from quantizers.rtn import IntWeight
 
 from ..models.moss_tts_delay import BLOCK_PREFIX, component_of
@@ -40,19 +40,19 @@ def autoround_config(bits: int, group_size: int, sym: bool, extra_config: dict |
     return cfg
 
 
-def gptq_result(ckpt, quantized: dict[str, IntWeight], quantization_config: dict, extra: dict | None = None,
-                reasons: dict[str, str] | None = None) -> QuantResult:
-    """`quantized` maps Linear module names (no `.weight`) to their integer weights."""
+def gptq_result(ckpt, quantized: dict[str, IntWeight | PackedWeight], quantization_config: dict,
+                extra: dict | None = None, reasons: dict[str, str] | None = None) -> QuantResult:
+    """`quantized` maps Linear module names (no `.weight`) to their integer weights, packed or not."""
     tensors, layout = {}, {}
     for name in ckpt.keys():
         module = name.removesuffix(".weight")
         if module in quantized:
-            iw = quantized[module]
-            packed = pack_gptq(iw)
-            for part, t in packed.items():
+            pw = quantized[module]
+            pw = pw if isinstance(pw, PackedWeight) else pack(pw, "gptq")
+            for part, t in pw.parts.items():
                 tensors[f"{module}.{part}"] = t
-            layout[name] = {"format": "gptq", "bits": iw.bits, "group_size": iw.group_size, "sym": iw.sym,
-                            "stored": sorted(f"{module}.{p}" for p in packed)}
+            layout[name] = {"format": "gptq", "bits": pw.bits, "group_size": pw.group_size, "sym": pw.sym,
+                            "stored": sorted(f"{module}.{p}" for p in pw.parts)}
         else:
             tensors[name] = ckpt.get(name).to(torch.bfloat16)
             reason = (reasons or {}).get(name) or PROTECT_REASON[component_of(name)]

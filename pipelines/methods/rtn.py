@@ -5,6 +5,7 @@ Streams one tensor at a time from the memory-mapped checkpoint; needs no calibra
 from __future__ import annotations
 
 from quantizers.errors import QuantizerError
+from quantizers.packing import pack
 from quantizers.rtn import RTNConfig, quantize_rtn
 
 from ..errors import PipelineError
@@ -23,7 +24,7 @@ def quantize(ctx, cfg: RTNConfig, device: str):
     for module in progress(block_linear_names(mcfg), desc="rtn", unit="tensor"):
         w = ckpt.get(module + ".weight").to(device)
         try:
-            quantized[module] = quantize_rtn(w, cfg, name=module + ".weight").to_cpu()
+            quantized[module] = pack(quantize_rtn(w, cfg, name=module + ".weight"), "gptq")
         except QuantizerError as e:
             raise PipelineError(str(e)) from None
     qc = autoround_config(cfg.bits, cfg.group_size, cfg.sym, iters=0)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from quantizers.errors import QuantizerError
+from quantizers.packing import pack
 from quantizers.rtn import SUPPORTED_BITS, RTNConfig, quantize_rtn
 from quantizers.sensitivity import (KEEP_BF16, SensitivityConfig, allocate, bits_per_weight, estimated_bpw, gram,
                                     output_errors, sig)
@@ -202,7 +203,7 @@ def quantize(ctx, cfg: SensitivityConfig, device: str):
         if b != cfg.base_bits:
             extra_config[name] = {"bits": b}
         w = ckpt.get(name + ".weight").to(device)
-        quantized[name] = quantize_rtn(w, RTNConfig(b, g, sym), name=name + ".weight").to_cpu()
+        quantized[name] = pack(quantize_rtn(w, RTNConfig(b, g, sym), name=name + ".weight"), "gptq")
 
     target = cfg.target_bpw if cfg.target_bpw is not None else bits_per_weight(cfg.base_bits, g) + cfg.protect_budget
     details = {
