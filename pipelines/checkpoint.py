@@ -56,15 +56,19 @@ class Checkpoint:
             path = self.root / fname
             try:
                 with open(path, "rb") as f:
-                    n = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(n))
                     size = os.fstat(f.fileno()).st_size
+                    n = int.from_bytes(f.read(8), "little")
+                    if size < 8 or n > size - 8:
+                        raise ValueError(f"header length {n} does not fit in {size} bytes")
+                    header = json.loads(f.read(n))
+                if not isinstance(header, dict):
+                    raise ValueError("header is not a JSON object")
+                header.pop("__metadata__", None)
+                end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
             except FileNotFoundError:
                 raise PipelineError(f"{path}: shard missing (named in {INDEX})") from None
-            except (ValueError, UnicodeDecodeError, MemoryError, OverflowError) as e:
-                raise PipelineError(f"{path}: unreadable safetensors shard (bad header: {e})") from None
-            header.pop("__metadata__", None)
-            end = max((v["data_offsets"][1] for v in header.values()), default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError, MemoryError, OverflowError) as e:
+                raise PipelineError(f"{path}: unreadable safetensors shard (bad header: {e!r})") from None
             if size < 8 + n + end:
                 raise PipelineError(f"{path}: unreadable safetensors shard (truncated: {size} bytes, "
                                     f"the header needs {8 + n + end})")

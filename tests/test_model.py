@@ -67,3 +67,14 @@ def test_checkpoint_reads_are_private_copies(tiny_path):
     before = first.clone()
     first.mul_(0)  # a method scaling a weight in place must not change the source
     assert torch.equal(ckpt.get(name), before)
+
+
+@pytest.mark.parametrize("body", [b"abc", b"\xff\xff\xff\xff\xff\x00\x00\x00{}", b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]",
+                                  b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"w": {"x": 1}}'.ljust(16)])
+def test_a_bad_safetensors_header_is_one_line_naming_the_file(tmp_path, body):
+    from pipelines.errors import PipelineError
+
+    (tmp_path / "model.safetensors").write_bytes(body)
+    with pytest.raises(PipelineError, match=r"model\.safetensors: unreadable safetensors shard \(bad header") as e:
+        Checkpoint(tmp_path)
+    assert "\n" not in str(e.value)
