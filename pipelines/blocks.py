@@ -2,7 +2,7 @@
 
 Everything that needs activations (AWQ, auto-round, sensitivity, evaluation) goes through
 here, so the full model never has to be resident: tensors are pulled from a getter (a
-memory-mapped Checkpoint, or a dequantizing view of a quantized state) block by block.
+Checkpoint read from disk on demand, or a dequantizing view of a quantized state) block by block.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Round-to-nearest, group-wise: the baseline every calibrated method must beat.
 
-Streams one tensor at a time from the memory-mapped checkpoint; needs no calibration.
+Streams one tensor at a time from the checkpoint on disk; needs no calibration.
 """
 from __future__ import annotations
 
