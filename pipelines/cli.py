@@ -65,16 +65,20 @@ def _plan_args(p):
     p.add_argument("--model", default=None, help="apply the profile's per-model overrides")
 
 
-def build(profile_name: str, model: str, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
-    """Resolve, verify and run every stage; returns the RunContext (ctx.bundle is the folder)."""
+def model_for(profile_name: str, model: str):
+    """The model spec a profile runs on: `MODEL=tiny PROFILE=codec-fp8` means tiny's companion codec."""
     from .profile import load_profile
     from .source import load_model_spec
 
     spec = load_model_spec(model)
-    prof = load_profile(profile_name, model)
-    if prof.kind == "codec" and spec.kind == "generator" and spec.codec:
-        spec = load_model_spec(spec.codec)  # `MODEL=tiny PROFILE=codec-fp8` means tiny's codec
-    return build_from(profile_name, spec, model_path, use_cache, cache_root, bundle_root)
+    if spec.kind == "generator" and spec.codec and load_profile(profile_name, model).kind == "codec":
+        return load_model_spec(spec.codec)
+    return spec
+
+
+def build(profile_name: str, model: str, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
+    """Resolve, verify and run every stage; returns the RunContext (ctx.bundle is the folder)."""
+    return build_from(profile_name, model_for(profile_name, model), model_path, use_cache, cache_root, bundle_root)
 
 
 def build_from(profile: str | Path, spec, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
@@ -185,5 +189,7 @@ def main(argv=None):
         raise SystemExit(130)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m pipelines.cli`: run the imported module, where extensions register
+    from pipelines.cli import main as _main
+
+    _main()

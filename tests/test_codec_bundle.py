@@ -183,6 +183,9 @@ def test_cli_builds_codec_maps_model_tiny_and_refuses_kind_mismatch(tmp_path, ti
     r = run("quantize", "codec-fp8", "--model", "tiny")
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip().splitlines()[-1].removeprefix("bundle: ")) == bundle
+    # ... and so does `make rebuild PROFILE=codec-fp8 MODEL=tiny`: it finds that bundle and rebuilds it.
+    r = run("rebuild", "--profile", "codec-fp8", "--model", "tiny")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "identical", r.stderr[-500:]
     # A generator profile on the codec: one clear line, non-zero exit.
     r = run("quantize", "rtn4", "--model", "codec-tiny", "--model-path", str(tiny))
     err = r.stderr.strip().splitlines()

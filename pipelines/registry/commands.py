@@ -9,10 +9,12 @@ from . import DEFAULT_URL, list_tags, open_registry, pull, push, split_ref
 
 
 def newest_bundle(model_profile: str) -> Path:
+    """The newest bundle of MODEL/PROFILE (a generator's codec profile: its companion codec's)."""
     from ..bundle import bundles_of
+    from ..cli import model_for
 
     model, _, profile = model_profile.partition("/")
-    found = bundles_of(model, profile) if model and profile else []
+    found = bundles_of(model_for(profile, model).name, profile) if model and profile else []
     if not found:
         raise PipelineError(f"{model_profile}: no bundle under artifacts/{model_profile}/ "
                             "(expected MODEL/PROFILE with a built bundle; run make quantize first)")
