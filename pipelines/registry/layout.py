@@ -99,6 +99,8 @@ class LayoutRegistry:
         except FileNotFoundError:
             if not (self.root / "oci-layout").exists():  # not created yet (index.json is written first)
                 return []
+            if path.exists():  # another process initialised the layout between our two looks
+                return self._entries()
             raise PipelineError(f"{self.root}: not an OCI image layout (no index.json)") from None
         except (ValueError, KeyError, TypeError) as e:
             raise PipelineError(f"{path}: not an OCI image index ({type(e).__name__})") from None
