@@ -9,7 +9,6 @@ with the bytes on disk.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import canonical_json, sha256_file, write_sharded
+from .checkpoint import canonical_json, safetensors_header, sha256_file, write_sharded
 from .errors import PipelineError
 from .models.moss_tts_delay import component_of
 from .source import ARTIFACTS
@@ -38,11 +37,8 @@ class ExportParams:
 
 def safetensors_layout(path: Path) -> tuple[int, dict]:
     """(header bytes including the 8-byte length, {name: {dtype, shape}}) read from the file itself."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return 8 + n, {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()}
+    header, data_start = safetensors_header(path)
+    return data_start, {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in header.items()}
 
 
 def bits_per_weight(folder: Path, files: list[str], layout: dict, source_shapes: dict[str, list[int]],

@@ -51,28 +51,11 @@ class Checkpoint:
         return sorted(self.weight_map)
 
     def _header(self, fname: str) -> tuple[dict, int]:
-        """A shard's safetensors header and where its data starts, checked against the file size."""
         if fname not in self._headers:
-            path = self.root / fname
             try:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    n = int.from_bytes(f.read(8), "little")
-                    if size < 8 or n > size - 8:
-                        raise ValueError(f"header length {n} does not fit in {size} bytes")
-                    header = json.loads(f.read(n))
-                if not isinstance(header, dict):
-                    raise ValueError("header is not a JSON object")
-                header.pop("__metadata__", None)
-                end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+                self._headers[fname] = safetensors_header(self.root / fname)
             except FileNotFoundError:
-                raise PipelineError(f"{path}: shard missing (named in {INDEX})") from None
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError, MemoryError, OverflowError) as e:
-                raise PipelineError(f"{path}: unreadable safetensors shard (bad header: {e!r})") from None
-            if size < 8 + n + end:
-                raise PipelineError(f"{path}: unreadable safetensors shard (truncated: {size} bytes, "
-                                    f"the header needs {8 + n + end})")
-            self._headers[fname] = (header, 8 + n)
+                raise PipelineError(f"{self.root / fname}: shard missing (named in {INDEX})") from None
         return self._headers[fname]
 
     def get(self, name: str, check_finite: bool = True) -> torch.Tensor:
@@ -110,6 +93,27 @@ class Checkpoint:
 
     def num_params(self) -> int:
         return sum(math.prod(self.shape(k)) for k in self.weight_map)
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's tensor entries ({name: dtype, shape, data_offsets}) and where its data
+    starts, checked against the file size. FileNotFoundError passes through."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"header length {n} does not fit in {size} bytes")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        header.pop("__metadata__", None)
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, MemoryError, OverflowError) as e:
+        raise PipelineError(f"{path}: unreadable safetensors shard (bad header: {e!r})") from None
+    if size < 8 + n + end:
+        raise PipelineError(f"{path}: unreadable safetensors shard (truncated: {size} bytes, the header needs {8 + n + end})")
+    return header, 8 + n
 
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
