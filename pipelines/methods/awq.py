@@ -20,10 +20,10 @@ from .. import blocks
 from ..calibration import load_ids
 from ..checkpoint import Checkpoint
 from ..errors import PipelineError
-from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, INPUT_GROUPS, MossTTSDelayConfig, component_of
+from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, INPUT_GROUPS, MossTTSDelayConfig
 from ..progress import progress
 from . import QuantResult
-from .gptq_layout import PROTECT_REASON
+from .gptq_layout import gptq_result
 
 CONFIG = AWQConfig
 NEEDS_CALIBRATION = True
@@ -137,7 +137,8 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> QuantResult:
         ctx.log(f"awq block {i}: scaled {len(info['scaled'])} groups, clipped {len(info['clipped'])} Linears")
     qc = {"quant_method": "awq", "version": cfg.version, "bits": cfg.bits, "group_size": cfg.group_size,
           "zero_point": cfg.zero_point, "modules_to_not_convert": NOT_CONVERTED}
-    result = awq_result(ckpt, quantized, folded, qc)
+    result = gptq_result(ckpt, quantized, qc, fmt="awq", replaced=folded,
+                         reasons={name: FOLDED_REASON for name in folded})
     result.extra = {
         "library": "autoawq AwqQuantizer: _search_best_scale, apply_scale, _search_best_clip, apply_clip, pseudo_quantize_tensor",
         "n_grid": N_GRID,
@@ -149,23 +150,6 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> QuantResult:
     if cfg.baseline_rtn:
         result.extra.update(baseline_comparison(ctx, cfg, result, device))
     return result
-
-
-def awq_result(ckpt: Checkpoint, quantized: dict, folded: dict[str, torch.Tensor], qc: dict) -> QuantResult:
-    tensors, layout = {}, {}
-    for name in ckpt.keys():
-        module = name.removesuffix(".weight")
-        if module in quantized:
-            pw = quantized[module]
-            for part, t in pw.parts.items():
-                tensors[f"{module}.{part}"] = t
-            layout[name] = {"format": "awq", "bits": pw.bits, "group_size": pw.group_size, "sym": False,
-                            "stored": sorted(f"{module}.{p}" for p in pw.parts)}
-        else:
-            tensors[name] = (folded[name] if name in folded else ckpt.get(name)).to(torch.bfloat16)
-            reason = FOLDED_REASON if name in folded else PROTECT_REASON[component_of(name)]
-            layout[name] = {"format": "bf16", "bits": 16, "stored": [name], "reason": reason}
-    return QuantResult(tensors=tensors, quantization_config=qc, layout=layout)
 
 
 def baseline_comparison(ctx, cfg: AWQConfig, result: QuantResult, device: str) -> dict:

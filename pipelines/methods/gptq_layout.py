@@ -1,4 +1,4 @@
-"""Assemble a generator bundle's tensors in auto-round's GPTQ-packed format.
+"""Assemble a generator bundle's tensors in auto-round's GPTQ-packed format (or AWQ GEMM).
 
 Quantized decoder Linears become `<name>.qweight/.qzeros/.scales` (quantizers.packing);
 every other tensor is stored BF16 and listed as protected with the reason. Per-layer widths
@@ -41,20 +41,23 @@ def autoround_config(bits: int, group_size: int, sym: bool, extra_config: dict |
 
 
 def gptq_result(ckpt, quantized: dict[str, IntWeight | PackedWeight], quantization_config: dict,
-                extra: dict | None = None, reasons: dict[str, str] | None = None) -> QuantResult:
-    """`quantized` maps Linear module names (no `.weight`) to their integer weights, packed or not."""
-    tensors, layout = {}, {}
+                extra: dict | None = None, reasons: dict[str, str] | None = None, fmt: str = "gptq",
+                replaced: dict[str, torch.Tensor] | None = None) -> QuantResult:
+    """`quantized` maps Linear module names (no `.weight`) to their integer weights, packed (in
+    `fmt`: "gptq" or "awq") or not; every other source tensor is stored BF16, from `replaced`
+    when the method changed it (AWQ's folded norms), with its reason from `reasons`."""
+    tensors, layout, replaced = {}, {}, replaced or {}
     for name in ckpt.keys():
         module = name.removesuffix(".weight")
         if module in quantized:
             pw = quantized[module]
-            pw = pw if isinstance(pw, PackedWeight) else pack(pw, "gptq")
+            pw = pw if isinstance(pw, PackedWeight) else pack(pw, fmt)
             for part, t in pw.parts.items():
                 tensors[f"{module}.{part}"] = t
-            layout[name] = {"format": "gptq", "bits": pw.bits, "group_size": pw.group_size, "sym": pw.sym,
+            layout[name] = {"format": fmt, "bits": pw.bits, "group_size": pw.group_size, "sym": pw.sym,
                             "stored": sorted(f"{module}.{p}" for p in pw.parts)}
         else:
-            tensors[name] = ckpt.get(name).to(torch.bfloat16)
+            tensors[name] = (replaced[name] if name in replaced else ckpt.get(name)).to(torch.bfloat16)
             reason = (reasons or {}).get(name) or PROTECT_REASON[component_of(name)]
             layout[name] = {"format": "bf16", "bits": 16, "stored": [name], "reason": reason}
     return QuantResult(tensors=tensors, quantization_config=quantization_config, layout=layout, extra=extra or {})
