@@ -124,9 +124,7 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
     def build(tmp: Path):
         files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
         config = dict(src_config)
-        config["quantization_config"] = meta["quantization_config"]
-        if ctx.spec.kind == "codec":  # the FP32 source's dtype no longer describes it: BF16 at load
-            config.update({k: "bfloat16" for k in ("dtype", "torch_dtype") if k in config})
+        config.update(meta["config"], quantization_config=meta["quantization_config"])
         (tmp / "config.json").write_text(canonical_json(config, indent=2))
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=False))  # stage order matters
         files += ["config.json", "recipe.yaml"]

@@ -48,6 +48,7 @@ class QuantResult:
     layout: dict[str, dict]
     extra: dict = field(default_factory=dict)  # method-specific manifest section
     files: dict[str, bytes] = field(default_factory=dict)  # extra bundle files (e.g. measurement.json)
+    config: dict = field(default_factory=dict)  # config.json keys the method changes (e.g. the dtype it loads as)
 
 
 def method_module(name: str):
@@ -89,6 +90,7 @@ def run_quantize(ctx, params: QuantizeStage, out: Path) -> dict:
         "layout": result.layout,
         "extra": result.extra,
         "files": sorted(result.files),
+        "config": result.config,
     }
     (out / QUANT_META).write_text(canonical_json(meta, indent=2))
     return {"method": params.method, "device_kind": device.split(":")[0], "tensors": len(result.tensors)}

@@ -80,4 +80,7 @@ def quantize(ctx, cfg: FP8Config, device: str) -> QuantResult:
             "weight_rel_error_worst": [{"tensor": n, "rel_error": float(f"{e:.6g}")} for e, n in errors[:5]],
         },
     }
-    return QuantResult(tensors=tensors, quantization_config=quantization_config(keep), layout=layout, extra=extra)
+    # The FP32 source's dtype no longer describes the artifact: it loads as BF16.
+    dtype_keys = {k: "bfloat16" for k in ("dtype", "torch_dtype") if k in ckpt.config()}
+    return QuantResult(tensors=tensors, quantization_config=quantization_config(keep), layout=layout, extra=extra,
+                       config=dtype_keys)
