@@ -278,12 +278,13 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children too: the smoke run is a CPU run
-    fx = build_fixtures(model, layers, work, device, codec_needed=any(p.startswith("codec") for p in args.profiles.split(",")))
+    requested = args.profiles.split(",")
+    fx = build_fixtures(model, layers, work, device, codec_needed=any(p.startswith("codec") for p in requested))
     (gen_spec, gen_path), (codec_spec, codec_path) = fx["generator"], fx["codec"]
     layers = json.loads((gen_path / "config.json").read_text())["language_config"]["num_hidden_layers"]
 
     runs, skipped = {}, {}
-    for name in args.profiles.split(","):
+    for name in requested:
         if name not in known_profiles():
             skipped[name] = "no configs/profiles/" + name + ".yaml yet"
             continue
@@ -297,7 +298,7 @@ def main(argv=None) -> None:
             if profile not in known_profiles():
                 skipped[anchor] = f"its settings come from {profile}, which does not exist yet"
                 continue
-            if profile not in args.profiles.split(","):
+            if profile not in requested:
                 skipped[anchor] = f"its profile {profile} is not in --profiles"
                 continue
             copy = str(smoke_profile(profile, gen_spec.name, work)) if args.smoke else None  # the same shrink
