@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install quantize test demo push rebuild report fixture bench clean
+.PHONY: install quantize test demo push rebuild report fixture bench determinism clean
 
 # torch is pinned (constraints.txt): a range admitting newer releases pulls a multi-GB CUDA build.
 # autoawq 0.2.9 goes in with --no-deps: its triton pin is not needed on CPU.
@@ -28,8 +28,12 @@ quantize: install
 fixture: install
 	$(MQ) fixture $(or $(NAME),tiny)
 
-test: install
+# The test command installs what its tests need: the registry tests' server (Debian's docker-registry).
+test: install .tools/docker-registry/usr/bin/docker-registry
 	$(PY) -m pytest tests
+
+.tools/docker-registry/usr/bin/docker-registry:
+	bash scripts/install-registry.sh
 
 # Every profile on the tiny fixtures (a rejected bundle is a verdict, not a failure), then the report.
 demo: install

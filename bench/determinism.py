@@ -1,12 +1,17 @@
-"""Are GPU builds bit-identical run to run, and what does determinism cost?
+"""The determinism matrix: per profile, what a rebuild proves in four situations.
 
-For each profile, builds the tiny model twice in fresh folders (no stage cache) in each mode and
-compares every bundle file byte for byte:
-  default        torch's defaults (cuDNN/cuBLAS heuristics, TF32 off for matmul as torch ships)
-  deterministic  torch.use_deterministic_algorithms(True) + CUBLAS_WORKSPACE_CONFIG=:4096:8
-Each build runs in a fresh subprocess so the mode applies from process start.
+Each cell builds the profile on the tiny fixtures in a fresh process (environment A), then runs
+`rebuild` on that bundle in another fresh process (environment B) and records its verdict
+(identical / equivalent / differs / nondeterministic) with the measured figures behind it:
 
-    python bench/determinism.py --profiles rtn4,awq4,autoround-q3,sens-q3,codec-fp8 --out DIR
+  rerun       A = B = this machine as it is
+  cpu-kernel  A: ATEN_CPU_CAPABILITY=default, B: the CPU's own best kernel (AVX2 or AVX512)
+  cpu-gpu     A: CPU only (CUDA hidden), B: the GPU
+  gpu-rerun   A = B = the GPU
+
+    .venv/bin/python bench/determinism.py --cells rerun,cpu-kernel --out bench/results/determinism-cpu.json
+    python bench/determinism.py --cells cpu-gpu,gpu-rerun --out bench/results/determinism-gpu.json   # on a GPU machine
+    .venv/bin/python bench/determinism.py --table bench/results/determinism-*.json                    # the README's matrix
 """
 from __future__ import annotations
 
@@ -16,73 +21,119 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PROFILES = "rtn4,awq4,autoround-q3,sens-q3,sens-q2,codec-fp8"
+CELLS = ("rerun", "cpu-kernel", "cpu-gpu", "gpu-rerun")
 
-CHILD = r"""
-import os, sys, json, time, torch
-if sys.argv[4] == "deterministic":
-    torch.use_deterministic_algorithms(True)
-from pipelines.cli import build
-t = time.perf_counter()
+BUILD = r"""
+import json, sys
 from pathlib import Path
+from pipelines.cli import build
 ctx = build(sys.argv[1], sys.argv[2], use_cache=False, cache_root=Path(sys.argv[3]) / "cache", bundle_root=Path(sys.argv[3]) / "bundles")
-print(json.dumps({"bundle": str(ctx.bundle), "wall_s": time.perf_counter() - t,
-                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
+print(json.dumps({"bundle": str(ctx.bundle), "environment": ctx.environments["quantize"]}))
+"""
+
+REBUILD = r"""
+import json, math, sys
+from pathlib import Path
+from pipelines.rebuild import rebuild
+v, _ = rebuild(Path(sys.argv[1]), scratch=Path(sys.argv[2]), log=lambda m: None)
+codes = [t.mismatch for t in v.tensors if t.kind == "codes"]
+figs = [d for _, _, d in v.metrics.values() if not math.isnan(d)]
+print(json.dumps({"verdict": v.verdict, "environment": v.environment,
+                  "tensors_differing": len(v.tensors), "max_code_mismatch": max(codes, default=0.0),
+                  "max_figure_rel_delta": max(figs, default=0.0), "lines": v.lines[-1:]}))
 """
 
 
-def one_build(profile: str, model: str, folder: Path, mode: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if mode == "deterministic":
-        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-    r = subprocess.run([sys.executable, "-c", CHILD, profile, model, str(folder), mode], env=env,
-                       capture_output=True, text=True, cwd=ROOT)
+def environments(cell: str) -> tuple[dict, dict]:
+    if cell == "rerun":
+        return {}, {}
+    if cell == "cpu-kernel":
+        return {"ATEN_CPU_CAPABILITY": "default", "CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": ""}
+    if cell == "cpu-gpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}, {}
+    if cell == "gpu-rerun":
+        return {}, {}
+    raise SystemExit(f"unknown cell {cell!r} (known: {', '.join(CELLS)})")
+
+
+def _run(code: str, args: list[str], extra_env: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra_env)
+    r = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def differing_files(a: Path, b: Path) -> list[str]:
-    fa = {p.relative_to(a) for p in a.rglob("*") if p.is_file()}
-    fb = {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
-    return sorted(str(f) for f in fa | fb if f not in fa or f not in fb or (a / f).read_bytes() != (b / f).read_bytes())
+def cell(profile: str, model: str, name: str) -> dict:
+    env_a, env_b = environments(name)
+    if name in ("cpu-gpu", "gpu-rerun"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"profile": profile, "cell": name, "skipped": "no GPU on this machine"}
+    with tempfile.TemporaryDirectory() as tmp:
+        built = _run(BUILD, [profile, model, str(Path(tmp) / "a")], env_a)
+        if "error" in built:
+            return {"profile": profile, "cell": name, "error": built["error"]}
+        out = _run(REBUILD, [built["bundle"], str(Path(tmp) / "b")], env_b)
+    a = built["environment"]
+    return {"profile": profile, "cell": name, "built_on": _where(a), **out}
+
+
+def _where(env: dict) -> str:
+    gpu = env.get("gpu")
+    return gpu["name"] if gpu else f"CPU {env['cpu']['vendor']} family {env['cpu']['family']} ({env['cpu']['torch_capability']})"
+
+
+def table(rows: list[dict]) -> str:
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    by = {(r["profile"], r["cell"]): r for r in rows}
+    head = "| profile | " + " | ".join(CELLS) + " |"
+    lines = [head, "|---" * (len(CELLS) + 1) + "|"]
+    for p in profiles:
+        cells = []
+        for c in CELLS:
+            r = by.get((p, c))
+            if r is None or "skipped" in r:
+                cells.append("not measured")
+            elif "error" in r:
+                cells.append(f"error: {r['error']}")
+            elif r["verdict"] == "identical":
+                cells.append("identical")
+            else:
+                cells.append(f"{r['verdict']} (codes ≤ {100 * r['max_code_mismatch']:.2f}%, "
+                             f"figures ≤ {100 * r['max_figure_rel_delta']:.2f}%)")
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    where = sorted({f"{r['cell']}: built on {r['built_on']}" for r in rows if "built_on" in r})
+    return "\n".join(lines) + "\n\n" + "; ".join(where)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profiles", default="rtn4,awq4,autoround-q3,sens-q3,codec-fp8")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profiles", default=PROFILES)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--modes", default="default,deterministic")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--cells", default="rerun,cpu-kernel")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--table", nargs="*", help="print the markdown matrix from these JSON files and exit")
     args = ap.parse_args(argv)
+    if args.table is not None:
+        rows = [r for f in args.table for r in json.loads(Path(f).read_text())]
+        print(table(rows))
+        return
     rows = []
     for profile in args.profiles.split(","):
-        for mode in args.modes.split(","):
-            with tempfile.TemporaryDirectory() as tmp:
-                runs = [one_build(profile, args.model, Path(tmp) / f"run{i}", mode) for i in (1, 2)]
-                if any("error" in r for r in runs):
-                    rows.append({"profile": profile, "mode": mode, "error": next(r["error"] for r in runs if "error" in r)})
-                    continue
-                diff = differing_files(Path(runs[0]["bundle"]), Path(runs[1]["bundle"]))
-                rows.append({"profile": profile, "mode": mode, "identical": not diff, "differing": diff,
-                             "wall_s": [round(r["wall_s"], 2) for r in runs], "device": runs[0]["device"]})
-            print(json.dumps(rows[-1]), flush=True)
-    lines = ["| profile | mode | run-to-run identical | wall s (run 1, run 2) | differing files |", "|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['profile']} | {r['mode']} | error: {r['error']} | | |")
-        else:
-            lines.append(f"| {r['profile']} | {r['mode']} | {'yes' if r['identical'] else 'NO'} | "
-                         f"{r['wall_s'][0]}, {r['wall_s'][1]} | {', '.join(r['differing']) or '-'} |")
-    table = "\n".join(lines)
-    print(table)
+        for name in args.cells.split(","):
+            rows.append(cell(profile, args.model, name))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "determinism.json").write_text(json.dumps(rows, indent=2))
-        (Path(args.out) / "determinism.md").write_text(table + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from .atomic import publish, temporary_sibling
 from .checkpoint import canonical_json, safetensors_header, sha256_file, write_sharded
 from .errors import PipelineError
 from .models.moss_tts_delay import component_of
@@ -86,26 +86,37 @@ def version_id(stage_keys: dict[str, str]) -> str:
 
 
 def write_bundle(dest: Path, build) -> Path:
-    """Call build(tmp_folder) to fill a temporary folder, then rename it to dest atomically."""
+    """Call build(tmp_folder) to fill a temporary folder, then rename it to dest atomically.
+
+    A version that exists already is kept when its payload files are the same; other content is
+    refused."""
     dest = Path(dest)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temporary_sibling(dest)
     try:
         build(tmp)
         if dest.exists():
-            if (dest / "manifest.json").read_bytes() == (tmp / "manifest.json").read_bytes():
+            if same_payload(dest, tmp):
                 return dest  # already built, identical: nothing to do
-            raise PipelineError(f"{dest}: version exists with different content; versions are never overwritten")
-        os.replace(tmp, dest)
+            raise PipelineError(f"{dest}: version exists with different content; versions are never overwritten "
+                                f"(`mossquant rebuild {dest}` says what differs)")
+        publish(tmp, dest)
         return dest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def same_payload(a: Path, b: Path) -> bool:
+    """Same files with the same hashes (the manifest's figures may differ in the last digits when
+    the environment differs: another thread count, say)."""
+    import json
+
+    fa, fb = (json.loads((p / "manifest.json").read_text()).get("files") for p in (a, b))
+    return fa is not None and fa == fb
+
+
 def run_export(ctx, params: ExportParams, out: Path) -> dict:
     from .methods import QUANT_META, load_quant
-    from .stages import library_versions
+    from .stages import code_version
 
     tensors, meta = load_quant(ctx.dirs["quantize"])
     src_config = ctx.checkpoint().config()
@@ -120,6 +131,8 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
         from .codec import bpw_basis
 
         source_shapes, component, finish_bpw = bpw_basis(ckpt, meta["layout"])
+
+    environment = ctx.environments["quantize"]  # where the weights were made
 
     def build(tmp: Path):
         files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
@@ -155,7 +168,9 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
             "seed": ctx.seed,
             "method": meta["method"],
             "method_details": meta["extra"],
-            "environment": {**library_versions(), "device": ctx.results["quantize"].get("device_kind")},
+            "environment": environment,
+            "environment_by_stage": {k: v for k, v in ctx.environments.items() if v != environment},
+            "code_version": code_version(),
             "files": {f: {"sha256": sha256_file(tmp / f), "size": (tmp / f).stat().st_size} for f in files},
             "tensors": meta["layout"],
             "protected": sorted(k for k, v in meta["layout"].items() if v["format"] == "bf16"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import portable_random as rnd
 from .errors import PipelineError
 from .source import CONFIGS
 
@@ -39,7 +40,7 @@ class CalibrationSet:
     @property
     def sha256(self) -> str:
         h = hashlib.sha256(self.spec_sha256.encode())
-        h.update(self.ids.to(torch.int32).numpy().tobytes())
+        h.update(self.ids.to(torch.int32).numpy().astype("<i4").tobytes())
         return h.hexdigest()
 
 
@@ -64,18 +65,53 @@ def _tokenizer(snapshot: Path | None, vocab: int):
     return (lambda s: list(s.encode("utf-8"))), "bytes"
 
 
-def _codes(gen: torch.Generator, frames: int, n_vq: int, size: int, p: dict) -> torch.Tensor:
-    codes = torch.empty(frames, n_vq, dtype=torch.int64)
-    codes[0] = torch.randint(0, size, (n_vq,), generator=gen)
-    stay = torch.tensor([p["stay0"] * p["decay"] ** k for k in range(n_vq)])
-    for t in range(1, frames):
-        u = torch.rand(n_vq, generator=gen)
-        step = torch.randint(-p["step"], p["step"] + 1, (n_vq,), generator=gen)
-        jump = torch.randint(0, size, (n_vq,), generator=gen)
-        local = torch.rand(n_vq, generator=gen) < p["local"]
-        moved = torch.where(local, (codes[t - 1] + step).clamp(0, size - 1), jump)
-        codes[t] = torch.where(u < stay, codes[t - 1], moved)
+def code_process(stream: str, samples: range, frames: int, n_vq: int, size: int, p: dict) -> torch.Tensor:
+    """(len(samples), frames, n_vq) codes: codebook k repeats its previous code with probability
+    stay0 * decay^k, else moves by a step in [-step, step] (probability `local`, clamped) or jumps
+    uniformly. Draws come from `stream` (pipelines/portable_random.py) at counters that depend
+    only on (sample, frame, codebook), so sample i is the same whatever else is drawn."""
+    if frames >= 1 << 16:
+        raise PipelineError(f"calibration {stream}: {frames} frames per sequence, at most {(1 << 16) - 1}")
+    st = rnd.Stream(stream)
+    i = torch.tensor(list(samples), dtype=torch.int64)[:, None, None]
+    t = torch.arange(frames, dtype=torch.int64)[None, :, None]
+    k = torch.arange(n_vq, dtype=torch.int64)[None, None, :]
+    c = (((i << 16) + t) * n_vq + k) * 4
+    stay_u = st.uniform(c)
+    local = st.uniform(c + 1) < float(p["local"])
+    step = st.integers(c + 2, 2 * int(p["step"]) + 1) - int(p["step"])
+    jump = st.integers(c + 3, size)
+    stay = torch.tensor([float(p["stay0"]) * rnd.power(float(p["decay"]), q) for q in range(n_vq)], dtype=torch.float64)
+    stays = stay_u < stay
+    codes = torch.empty(len(samples), frames, n_vq, dtype=torch.int64)
+    codes[:, 0] = jump[:, 0]
+    for f in range(1, frames):
+        prev = codes[:, f - 1]
+        moved = torch.where(local[:, f], (prev + step[:, f]).clamp(0, size - 1), jump[:, f])
+        codes[:, f] = torch.where(stays[:, f], prev, moved)
     return codes
+
+
+def codes_digest(codes: torch.Tensor) -> str:
+    return hashlib.sha256(codes.to(torch.int32).numpy().astype("<i4").tobytes()).hexdigest()
+
+
+def check_codes_pin(name: str, spec: dict) -> None:
+    """Regenerate the set's pinned reference codes: a machine whose arithmetic gives other bytes
+    is refused before anything is built on them."""
+    pin = spec.get("codes_pin")
+    if not isinstance(pin, dict) or not {"sequences", "frames", "n_vq", "codebook_size", "sha256"} <= set(pin):
+        raise PipelineError(f"{name}.yaml: codes_pin must map sequences, frames, n_vq, codebook_size, sha256")
+    codes = code_process(stream_name(spec), range(int(pin["sequences"])), int(pin["frames"]), int(pin["n_vq"]),
+                         int(pin["codebook_size"]), spec["codes"])
+    got = codes_digest(codes)
+    if got != pin["sha256"]:
+        raise PipelineError(f"{name}.yaml: its code process gives sha256 {got[:12]}… on this machine, "
+                            f"codes_pin.sha256 is {str(pin['sha256'])[:12]}…")
+
+
+def stream_name(spec: dict) -> str:
+    return f"moss-quant/calibration/{spec['name']}/{int(spec['seed'])}"
 
 
 def delay_pattern(codes: torch.Tensor, pad: int) -> torch.Tensor:
@@ -99,13 +135,14 @@ def build(name: str, model_config: dict, nsamples: int, seqlen: int, snapshot: P
     texts = spec["texts"]
     if nsamples < 1 or seqlen < n_vq + 8:
         raise PipelineError(f"calibration {name}: need nsamples >= 1 and seqlen >= {n_vq + 8}, got {nsamples}, {seqlen}")
-    gen = torch.Generator().manual_seed(int(spec["seed"]))
+    check_codes_pin(name, spec)
+    texts = [[t for t in encode(texts[i % len(texts)]) if t < vocab][: seqlen // 3] for i in range(nsamples)]
+    codes = code_process(stream_name(spec), range(nsamples), seqlen, n_vq, size, spec["codes"])
     rows = []
-    for i in range(nsamples):
-        text = [t for t in encode(texts[i % len(texts)]) if t < vocab][: seqlen // 3]
+    for i, text in enumerate(texts):
         prompt = [ids_of["im_start_token_id"], *text, ids_of["im_end_token_id"], ids_of["audio_start_token_id"]]
         frames = seqlen - len(prompt)  # enough frames to fill the sequence; the tail is cropped
-        audio = delay_pattern(_codes(gen, frames, n_vq, size, spec["codes"]), pad)
+        audio = delay_pattern(codes[i, :frames], pad)
         slot = torch.full((audio.shape[0],), ids_of["audio_assistant_delay_slot_token_id"])
         slot[:frames] = ids_of["audio_assistant_gen_slot_token_id"]
         head = torch.full((len(prompt), 1 + n_vq), pad, dtype=torch.int64)

@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+# Off a terminal (CI, `make demo > log`), libraries' progress bars are noise: tqdm reads this when
+# it is first imported, so it is set before anything imports it. Our own bars check the terminal.
+if not sys.stderr.isatty():
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
 from .errors import PipelineError
+from .source import ROOT
 
 COMMANDS = {}
 
@@ -91,10 +98,38 @@ def build_from(profile: str | Path, spec, model_path=None, use_cache=True, cache
         raise PipelineError(f"profile {prof.name!r} is for {prof.kind} models, but model {spec.name!r} is a {spec.kind}")
     path = resolve_path(spec, model_path)
     verify(spec, path)
+    check_plan(prof, spec, path)  # everything refusable is refused before a stage runs
     ctx = RunContext(spec=spec, snapshot=path, profile=prof, device=resolve_device("auto"),
                      cache_root=Path(cache_root) if cache_root else default_cache_root())
     ctx.bundle_root = Path(bundle_root) if bundle_root else None
     return run_stages(ctx, use_cache=use_cache)
+
+
+def check_plan(prof, spec, path: Path) -> None:
+    """The source's config.json must hold what the model definition needs, and every group size in
+    the profile must divide the widths it will be applied to."""
+    from .checkpoint import Checkpoint
+
+    where = path / "config.json"
+    config = Checkpoint(path).config()
+    if spec.kind == "codec":
+        from .models.moss_audio_tokenizer import CodecConfig
+
+        CodecConfig.from_dict(config, where=str(where))
+        return
+    from .models.moss_tts_delay import MossTTSDelayConfig, block_linear_shapes
+
+    shapes = block_linear_shapes(MossTTSDelayConfig.from_dict(config, where=str(where)))
+    rel = prof.path.relative_to(ROOT) if prof.path.is_relative_to(ROOT) else prof.path
+    for stage, params in prof.stages.items():
+        for key_path, obj in ((f"stages.{stage}", params), (f"stages.{stage}", getattr(params, "config", None))):
+            g = getattr(obj, "group_size", None)
+            if not isinstance(g, int):
+                continue
+            for linear, (_, width) in shapes.items():
+                if width % g:
+                    raise PipelineError(f"{rel}: {key_path}.group_size: {g} does not divide the input width {width} of "
+                                        f"{linear} ({spec.name}'s config.json)")
 
 
 @command("quantize", "build a profile's bundle (prints `bundle: <path>` last)")
@@ -105,7 +140,7 @@ def cmd_quantize(args):
     gate = ctx.results.get("gate", {})
     if gate.get("status") == "rejected":
         failed = [f"{c['metric']}={c['value']} (limit {c['op']} {c['threshold']})" for c in gate["checks"] if not c["passed"]]
-        print(f"rejected by the quality gate: {'; '.join(failed)}", file=sys.stderr)
+        print(f"{ctx.profile.name} on {ctx.spec.name}: rejected by the quality gate: {'; '.join(failed)}", file=sys.stderr)
         print(f"bundle: {ctx.bundle}")
         raise SystemExit(GateRejected.exit_code)
     print(f"bundle: {ctx.bundle}")

@@ -21,6 +21,7 @@ import yaml
 from quantizers.errors import QuantizerError
 from quantizers.fp8 import FP8_DTYPE, dequantize_fp8
 
+from . import portable_random as rnd
 from .checkpoint import Checkpoint, canonical_json
 from .errors import PipelineError
 from .models.moss_audio_tokenizer import CodecConfig, MossAudioTokenizer, build_empty, load_state, tensor_specs
@@ -179,7 +180,7 @@ def generate_codes(spec: dict) -> list[torch.Tensor]:
         frames, kind = int(seq["frames"]), seq["kind"]
         codes = torch.empty(nq, frames, dtype=torch.long)
         for k in range(nq):
-            stay = float(p.get("stay0", 0.6)) * float(p.get("decay", 0.93)) ** k
+            stay = float(p.get("stay0", 0.6)) * rnd.power(float(p.get("decay", 0.93)), k)  # no libm pow
             for t in range(frames):
                 u = _uniforms(seed, s, k, t)
                 if t == 0:

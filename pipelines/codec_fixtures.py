@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from . import portable_random as rnd
 from .atomic import atomic_folder
 from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
@@ -76,38 +77,33 @@ def fixture_config(name: str) -> dict:
     raise PipelineError(f"unknown codec fixture {name!r} (known: codec-tiny, codec-full-shape)")
 
 
-def _student_t(gen: torch.Generator, shape, df: int = 4) -> torch.Tensor:
-    """Unit-variance Student-t samples (own copy: the pinned fixture hashes depend on it)."""
-    z = torch.randn(shape, generator=gen)
-    chi2 = sum(torch.randn(shape, generator=gen) ** 2 for _ in range(df))
-    return z / torch.sqrt(chi2 / df) / math.sqrt(df / (df - 2))
-
-
-def make_tensor(name: str, shape, seed: int) -> torch.Tensor:
-    """One tensor, seeded by its own name (order-independent)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + sum((i + 1) * ord(c) for i, c in enumerate(name)))
+def make_tensor(name: str, shape, seed: int, device: str = "cpu") -> torch.Tensor:
+    """One float32 tensor from its own stream (keyed by the seed and its full name): order-independent,
+    the same bytes on every machine and device (pipelines/portable_random.py)."""
+    key = f"moss-quant/codec-fixture/{seed}/{name}"
     if name.endswith(("norm1.weight", "norm2.weight")):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    if name.endswith(("norm1.bias", "norm2.bias")):
-        return 0.02 * torch.randn(shape, generator=gen)
-    if ".layer_scale_" in name:
+        x = 1.0 + 0.1 * rnd.normal(key, shape, device)
+    elif name.endswith(("norm1.bias", "norm2.bias")):
+        x = 0.02 * rnd.normal(key, shape, device)
+    elif ".layer_scale_" in name:
         # Trained LayerScales grow far from their 0.01 init; 0.1-0.5 keeps every layer audible.
-        return 0.1 + 0.4 * torch.rand(shape, generator=gen)
-    if name.endswith("original0"):  # weight-norm gain g: the per-channel output norm
-        return 0.5 + torch.rand(shape, generator=gen)
-    if name.endswith(".bias"):  # quantizer conv biases
-        return 0.01 * torch.randn(shape, generator=gen)
-    if name.endswith("codebook.weight"):
-        return torch.randn(shape, generator=gen)
-    # Linear weights and weight-norm directions v: heavy tails plus a few loud input columns.
-    fan_in = shape[1]
-    w = _student_t(gen, shape) / math.sqrt(fan_in)
-    if w.dim() == 2 and fan_in >= 16:
-        cols = torch.randperm(fan_in, generator=gen)[: max(1, fan_in // 32)]
-        w[:, cols] *= 4.0
-    if name.endswith("output_proj.weight") and name.startswith("decoder."):
-        w *= 0.015  # the waveform head: PCM std ~0.15, peaks inside [-1, 1]
-    return w
+        x = 0.1 + 0.4 * rnd.uniform(key, shape, device)
+    elif name.endswith("original0"):  # weight-norm gain g: the per-channel output norm
+        x = 0.5 + rnd.uniform(key, shape, device)
+    elif name.endswith(".bias"):  # quantizer conv biases
+        x = 0.01 * rnd.normal(key, shape, device)
+    elif name.endswith("codebook.weight"):
+        x = rnd.normal(key, shape, device)
+    else:
+        # Linear weights and weight-norm directions v: heavy tails plus a few loud input columns.
+        fan_in = shape[1]
+        x = rnd.student_t(key, shape, df=4, device=device) / math.sqrt(fan_in)
+        if x.dim() == 2 and fan_in >= 16:
+            cols = rnd.permutation(key + "/loud-columns", fan_in, device)[: max(1, fan_in // 32)]
+            x[:, cols] = x[:, cols] * 4.0
+        if name.endswith("output_proj.weight") and name.startswith("decoder."):
+            x = x * 0.015  # the waveform head: PCM std ~0.15, peaks inside [-1, 1]
+    return rnd.to_float32(x).cpu()
 
 
 SHARD_BYTES = 2 << 30  # the full-shape codec (7.1 GB) is written shard by shard
@@ -124,7 +120,7 @@ def write_codec_fixture(name: str, out_dir: Path, seed: int = 0) -> Path:
         plan = shard_plan({k: 4 * math.prod(s) for k, s in specs.items()}, SHARD_BYTES)
         files = shard_names(len(plan))
         for fname, keys in progress(list(zip(files, plan)), desc=f"fixture {name}", unit="shard"):
-            save_file({k: make_tensor(k, specs[k], seed).float().contiguous() for k in keys}, str(tmp / fname),
+            save_file({k: make_tensor(k, specs[k], seed).contiguous() for k in keys}, str(tmp / fname),
                       {"format": "pt"})
         if len(files) > 1:
             weight_map = {k: f for f, keys in zip(files, plan) for k in keys}

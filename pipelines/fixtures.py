@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from . import portable_random as rnd
 from .atomic import atomic_folder
 from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
@@ -105,46 +106,36 @@ def tensor_specs(cfg: dict) -> dict[str, tuple[int, ...]]:
     return specs
 
 
-def _student_t(gen: torch.Generator, shape, df: int = 8) -> torch.Tensor:
-    z = torch.randn(shape, generator=gen, device=gen.device)
-    chi2 = torch.zeros(shape, device=gen.device)
-    for _ in range(df):
-        chi2 += torch.randn(shape, generator=gen, device=gen.device) ** 2
-    t = z / torch.sqrt(chi2 / df)
-    return t / math.sqrt(df / (df - 2))  # unit variance
-
-
 def make_tensor(name: str, shape, cfg: dict, seed: int, device: str = "cpu") -> torch.Tensor:
-    """One tensor, seeded by its own name so shards can be generated in any order.
-
-    `device="cuda"` draws on the GPU (for full-shape scale runs): the same seed gives other
-    values there, so a GPU-built fixture is pinned after it is built, not against the CPU pins."""
-    gen = torch.Generator(device).manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+    """One tensor, drawn from its own stream (keyed by the seed and its full name), so shards can be
+    generated in any order, and the same bytes come out on every machine and device
+    (pipelines/portable_random.py)."""
+    key = f"moss-quant/fixture/{seed}/{name}"
     h = cfg["language_config"]["hidden_size"]
     # The same outlier channels everywhere: about 1.5% of the hidden width.
-    outliers = torch.randperm(h, generator=torch.Generator().manual_seed(seed))[: max(2, round(0.015 * h))]
+    outliers = rnd.permutation(f"moss-quant/fixture/{seed}/outlier-channels", h, device)[: max(2, round(0.015 * h))]
     if name.endswith(("layernorm.weight", "language_model.norm.weight")):
-        g = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
-        gains = 20 + 30 * torch.rand(len(outliers), generator=gen, device=device)  # x20-50
+        g = 1.0 + 0.1 * rnd.normal(key, shape, device)
+        gains = 20.0 + 30.0 * rnd.uniform(key + "/gains", (len(outliers),), device)  # x20-50
         if "input_layernorm" in name or "post_attention_layernorm" in name:
-            g[outliers] *= gains
+            g[outliers] = g[outliers] * gains
         else:  # the final norm damps the massive channels, as trained models' final norms do
-            g[outliers[:2]] *= 0.02
-        return g.to(torch.bfloat16).cpu()
+            g[outliers[:2]] = g[outliers[:2]] * 0.02
+        return rnd.to_bfloat16(g).cpu()
     if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return (1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(torch.bfloat16).cpu()
+        return rnd.to_bfloat16(1.0 + 0.1 * rnd.normal(key, shape, device)).cpu()
     fan_in = shape[-1]
-    w = _student_t(gen, shape) / math.sqrt(fan_in)
+    w = rnd.student_t(key, shape, df=8, device=device) / math.sqrt(fan_in)  # heavy tails, as trained weights
     if name.startswith(("language_model.embed_tokens", "emb_ext.")):
-        w = w * math.sqrt(fan_in) * (1.0 if name.startswith("language_model") else 0.3)  # O(1) entries
-        w[:, outliers[:2]] += 0.5  # massive-activation channels in the residual stream
+        w = w * (math.sqrt(fan_in) * (1.0 if name.startswith("language_model") else 0.3))  # O(1) entries
+        w[:, outliers[:2]] = w[:, outliers[:2]] + 0.5  # massive-activation channels in the residual stream
     elif name.startswith("lm_heads."):
         w = w * 5.0  # peaked output distributions, like a trained model
     elif name.endswith("o_proj.weight"):
         w = w * 0.1  # each block adds a modest update to the residual stream
     elif name.endswith("down_proj.weight"):
         w = w * 0.003  # the MLP reads x20-50 outlier inputs: damp its update to the same scale
-    return w.to(torch.bfloat16).cpu()
+    return rnd.to_bfloat16(w).cpu()
 
 
 def write_fixture(name: str, out: Path, seed: int = 0, layers: int | None = None, device: str = "cpu") -> Path:

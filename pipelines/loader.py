@@ -35,23 +35,33 @@ class DequantizingView:
     def names(self) -> list[str]:
         return sorted(self.plain | {m + ".weight" for m in self.packed | self.fp8})
 
+    def _unpack(self, module: str):
+        parts = {p: self._get(f"{module}.{p}") for p in PACKED_PARTS}
+        if self.method == "awq":
+            return unpack_awq(parts, self.qc["group_size"])
+        if self.method == "auto-round":
+            layer = (self.qc.get("extra_config") or {}).get(module, {})
+            return unpack_gptq(parts, layer.get("bits", self.qc["bits"]), layer.get("group_size", self.qc["group_size"]))
+        raise PipelineError(f"tensor {module}.qweight: unsupported quant_method {self.method!r}")
+
     def __call__(self, name: str) -> torch.Tensor:
         module = name.removesuffix(".weight")
         if module in self.packed:
-            parts = {p: self._get(f"{module}.{p}") for p in PACKED_PARTS}
-            if self.method == "awq":
-                iw = unpack_awq(parts, self.qc["group_size"])
-            elif self.method == "auto-round":
-                layer = (self.qc.get("extra_config") or {}).get(module, {})
-                iw = unpack_gptq(parts, layer.get("bits", self.qc["bits"]), layer.get("group_size", self.qc["group_size"]))
-            else:
-                raise PipelineError(f"tensor {module}.qweight: unsupported quant_method {self.method!r}")
-            return iw.dequantize(torch.float32)
+            return self._unpack(module).dequantize(torch.float32)
         if module in self.fp8:
             from quantizers.fp8 import dequantize_fp8
 
             return dequantize_fp8(self._get(name), self._get(module + ".weight_scale"))
         return self._get(name)
+
+    def codes(self, name: str) -> torch.Tensor | None:
+        """The stored integer codes of a quantized weight (FP8: its bit patterns); None if unquantized."""
+        module = name.removesuffix(".weight")
+        if module in self.packed:
+            return self._unpack(module).q
+        if module in self.fp8:
+            return self._get(name).view(torch.uint8)
+        return None
 
 
 def bundle_view(path: Path) -> tuple[DequantizingView, dict]:

@@ -7,6 +7,7 @@ and what is allowed. Stage order is the YAML order; each stage declares what it 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +18,22 @@ import yaml
 from .errors import PipelineError
 from .source import CONFIGS, ROOT
 
-PROFILE_KEYS = {"name", "description", "kind", "seed", "stages", "models"}
+PROFILE_KEYS = {"name", "description", "kind", "seed", "stages", "models", "rebuild"}
+
+
+@dataclass
+class RebuildTolerance:
+    """When a rebuild whose bytes differ, made in another environment (CPU kernel, GPU, library),
+    counts as `equivalent` (pipelines/rebuild.py). Each profile states where its numbers come from."""
+
+    max_code_mismatch: float = 0.0  # fraction of a quantized tensor's integer codes that may differ
+    max_metric_rel_delta: float = 0.0  # every evaluation figure within this fraction of the original's ...
+    metric_abs_delta: float = 0.0  # ... plus this absolute slack (figures near zero)
+
+    def validate(self):
+        for k in ("max_code_mismatch", "max_metric_rel_delta", "metric_abs_delta"):
+            if not 0 <= getattr(self, k) <= 1:
+                raise ValueError(f"{k}: must be in [0, 1], got {getattr(self, k)}")
 
 
 @dataclass
@@ -27,6 +43,7 @@ class Profile:
     seed: int
     stages: dict[str, object]  # stage name -> validated params dataclass, in order
     description: str = ""
+    rebuild: RebuildTolerance = field(default_factory=RebuildTolerance)
     path: Path | None = None
     raw: dict = field(default_factory=dict)
 
@@ -37,6 +54,7 @@ class Profile:
             "kind": self.kind,
             "seed": self.seed,
             "stages": {k: _flat(v) for k, v in self.stages.items()},
+            "rebuild": dataclasses.asdict(self.rebuild),
         }
 
 
@@ -129,6 +147,11 @@ def load_profile(name_or_path: str, model: str | None = None) -> Profile:
     stages_raw = data.get("stages")
     if not isinstance(stages_raw, dict) or not stages_raw:
         raise PipelineError(f"{rel}: 'stages' must be a non-empty mapping of stage name -> parameters")
+    for stage in stages_raw:  # a misspelled stage is named before any override is checked against it
+        if stage not in STAGES:
+            close = difflib.get_close_matches(stage, list(STAGES), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise PipelineError(f"{rel}: stages.{stage}: unknown stage ({hint}allowed: {', '.join(STAGES)})")
     overrides = (data.get("models") or {}).get(model) or {}
     if not isinstance(overrides, dict):
         raise PipelineError(f"{rel}: models.{model} must be a mapping of stage -> parameters")
@@ -137,8 +160,6 @@ def load_profile(name_or_path: str, model: str | None = None) -> Profile:
             raise PipelineError(f"{rel}: models.{model}.{stage} overrides a stage the profile does not have")
     stages, seen = {}, []
     for stage, params in stages_raw.items():
-        if stage not in STAGES:
-            raise PipelineError(f"{rel}: unknown stage {stage!r} (allowed: {', '.join(STAGES)})")
         spec = STAGES[stage]
         merged = {**(params or {}), **(overrides.get(stage) or {})}
         where = f"{rel}: stages.{stage}"
@@ -147,5 +168,6 @@ def load_profile(name_or_path: str, model: str | None = None) -> Profile:
             if need not in seen:
                 raise PipelineError(f"{rel}: stage {stage!r} needs {need!r} before it")
         seen.append(stage)
+    rebuild = build_params(RebuildTolerance, data.get("rebuild"), f"{rel}: rebuild")
     return Profile(name=data.get("name", path.stem), kind=kind, seed=seed, stages=stages,
-                   description=data.get("description", ""), path=path, raw=data)
+                   description=data.get("description", ""), rebuild=rebuild, path=path, raw=data)

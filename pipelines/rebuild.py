@@ -1,86 +1,241 @@
-"""`mossquant rebuild BUNDLE_OR_REF`: prove a bundle's bytes came from its pinned source and recipe.
+"""`mossquant rebuild BUNDLE_OR_REF`: rebuild a bundle from its pins and recipe and say what that proves.
 
-Reads the manifest (source pins, resolved recipe, seed, environment), rebuilds into a scratch
-folder with no stage cache, and compares every payload file; for differing safetensors, the
-first differing tensors with their max abs difference. Exit 0 prints `identical`.
+The rebuild runs in a scratch folder with no stage cache, then one of four verdicts:
+
+- `identical` (exit 0): every payload file (what a runtime loads: weights, config.json,
+  recipe.yaml, measurement.json) has the recorded bytes. Evaluation outputs (`report/`: decoded
+  WAVs) made in another environment may differ, and are named.
+- bytes differ, environment fingerprints the same: a determinism bug (exit 6) — nothing the
+  manifest records explains the difference.
+- bytes differ, fingerprints differ (another CPU kernel, GPU, library): a measured comparison,
+  per quantized tensor the fraction of integer codes that differ and the max |dequantized
+  difference|, and the rebuilt bundle's evaluation figures against the original's, judged by
+  the tolerances in the recipe's `rebuild:` section: `equivalent` (exit 5) or `differs` (exit 4).
+
+The scratch build is removed afterwards, except when it differs (kept and named, to inspect).
 """
 from __future__ import annotations
 
+import math
+import shutil
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from .errors import PipelineError
 
-DIFFERS_EXIT = 4
+IDENTICAL, EQUIVALENT, DIFFERS, NONDETERMINISTIC = "identical", "equivalent", "differs", "nondeterministic"
+EXIT = {IDENTICAL: 0, DIFFERS: 4, EQUIVALENT: 5, NONDETERMINISTIC: 6}
 
 
-class RebuildDiffers(PipelineError):
-    exit_code = DIFFERS_EXIT
+@dataclass
+class TensorDiff:
+    name: str
+    kind: str  # "codes" (quantized) or "values" (stored as is)
+    mismatch: float  # fraction of codes (or values) that differ
+    max_abs_diff: float  # of the dequantized weights
 
 
-def environment_drift(recorded: dict) -> list[str]:
-    from .stages import library_versions, resolve_device
+@dataclass
+class Verdict:
+    verdict: str
+    lines: list[str] = field(default_factory=list)
+    environment: list[str] = field(default_factory=list)  # fingerprint differences
+    tensors: list[TensorDiff] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)  # figure -> (original, rebuilt, relative delta)
 
-    now = {**library_versions(), "device": resolve_device("auto")}
-    return [f"{k}: built with {recorded.get(k)}, now {now.get(k)}" for k in sorted(set(recorded) | set(now))
-            if recorded.get(k) != now.get(k)]
+    @property
+    def exit_code(self) -> int:
+        return EXIT[self.verdict]
 
 
-def tensor_diffs(a: Path, b: Path, limit: int = 5) -> list[str]:
-    from safetensors import safe_open
+def _manifest(path: Path) -> dict:
+    from .loader import read_manifest
 
+    return read_manifest(path)
+
+
+EVALUATION_OUTPUTS = "report/"  # decoded WAVs etc.: products of the evaluation, judged like its figures
+
+
+def payload_diffs(a: dict, b: dict) -> tuple[list[str], list[str]]:
+    """(payload files, evaluation outputs) that are missing on one side or hash differently. The
+    payload is what a runtime loads: weights, config.json, recipe.yaml, measurement.json."""
+    fa, fb = a["files"], b["files"]
+    payload, outputs = [], []
+    for name in sorted(set(fa) | set(fb)):
+        if name not in fa or name not in fb:
+            line = f"{name}: only in {'the bundle' if name in fa else 'the rebuild'}"
+        elif fa[name]["sha256"] != fb[name]["sha256"]:
+            line = f"{name}: differs"
+        else:
+            continue
+        (outputs if name.startswith(EVALUATION_OUTPUTS) else payload).append(line)
+    return payload, outputs
+
+
+def tensor_diffs(original: Path, rebuilt: Path) -> list[TensorDiff]:
+    """Every source tensor whose stored form differs: code mismatch and dequantized difference."""
+    from .loader import bundle_view
+
+    va, _ = bundle_view(original)
+    vb, _ = bundle_view(rebuilt)
+    names_a, names_b = set(va.names()), set(vb.names())
     out = []
-    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
-        ka, kb = set(fa.keys()), set(fb.keys())
-        for name in sorted(ka ^ kb):
-            out.append(f"{name}: only in {'the bundle' if name in ka else 'the rebuild'}")
-        for name in sorted(ka & kb):
-            x, y = fa.get_tensor(name), fb.get_tensor(name)
-            if x.shape != y.shape or x.dtype != y.dtype:
-                out.append(f"{name}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}")
-            elif not torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
-                                 y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y):
-                diff = (x.double() - y.double()).abs()
-                out.append(f"{name}: max abs diff {diff.max().item():.6g} ({(diff > 0).sum().item()} elements)")
-            if len(out) >= limit:
-                break
+    for name in sorted(names_a | names_b):
+        if name not in names_a or name not in names_b:
+            out.append(TensorDiff(name, "missing", 1.0, math.inf))
+            continue
+        ca, cb = va.codes(name), vb.codes(name)
+        if (ca is None) != (cb is None):
+            out.append(TensorDiff(name, "format", 1.0, math.inf))
+            continue
+        if ca is None:
+            ca, cb, kind = va(name), vb(name), "values"
+        else:
+            kind = "codes"
+        if ca.shape != cb.shape or ca.dtype != cb.dtype:
+            out.append(TensorDiff(name, f"{ca.dtype}{list(ca.shape)} vs {cb.dtype}{list(cb.shape)}", 1.0, math.inf))
+            continue
+        mismatch = float((ca != cb).double().mean())
+        diff = float((va(name).double() - vb(name).double()).abs().max())
+        if mismatch or diff:
+            out.append(TensorDiff(name, kind, mismatch, diff))
     return out
 
 
-def compare_bundles(original: Path, rebuilt: Path) -> list[str]:
-    """Payload files compared by sha256 (from the manifests), then tensor by tensor."""
-    from .loader import read_manifest
+def _figures(manifest: dict) -> dict[str, float]:
+    """Every numeric evaluation figure (lists flattened as name[i])."""
+    out = {}
+    for section in ("evaluation", "validation"):
+        metrics = (manifest.get(section) or {}).get("metrics") or {}
+        for k, v in sorted(metrics.items()):
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)):
+                out[f"{section}.{k}"] = float(v)
+            elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+                out.update({f"{section}.{k}[{i}]": float(x) for i, x in enumerate(v)})
+    return out
 
-    a, b = read_manifest(original)["files"], read_manifest(rebuilt)["files"]
-    lines = []
-    for name in sorted(set(a) | set(b)):
-        if name not in a or name not in b:
-            lines.append(f"{name}: only in {'the bundle' if name in a else 'the rebuild'}")
-        elif a[name]["sha256"] != b[name]["sha256"]:
-            lines.append(f"{name}: differs")
-            if name.endswith(".safetensors"):
-                lines += ["  " + d for d in tensor_diffs(original / name, rebuilt / name)]
-    return lines
+
+def metric_deltas(a: dict, b: dict) -> dict[str, tuple[float, float, float]]:
+    fa, fb = _figures(a), _figures(b)
+    out = {}
+    for k in sorted(set(fa) | set(fb)):
+        x, y = fa.get(k, math.nan), fb.get(k, math.nan)
+        out[k] = (x, y, abs(y - x) / abs(x) if x else (0.0 if y == x else math.inf))
+    return out
 
 
-def rebuild(bundle: Path, model_path=None, scratch: Path | None = None, log=print) -> tuple[list[str], Path]:
+def judge(original: Path, rebuilt: Path) -> Verdict:
+    from .environment import differences
+    from .profile import RebuildTolerance, build_params
+
+    a, b = _manifest(original), _manifest(rebuilt)
+    files, outputs = payload_diffs(a, b)
+    env = differences(a.get("environment") or {}, b.get("environment") or {})
+    if a.get("code_version") != b.get("code_version"):
+        env.insert(0, f"code_version: built with {str(a.get('code_version'))[:12]}, now {str(b.get('code_version'))[:12]} "
+                      f"(the project's own code changed)")
+    if not files:
+        notes = [f"(evaluation output {line}: decoded in another environment)" for line in outputs] if env else outputs
+        if outputs and not env:
+            return Verdict(NONDETERMINISTIC, [*outputs, "determinism bug: the evaluation outputs differ although "
+                                              "the environment fingerprint is the same"], env)
+        return Verdict(IDENTICAL, [*notes, "identical"], env)
+    tensors = tensor_diffs(original, rebuilt)
+    lines = [*files, *outputs, *(f"  {t.name}: {t.kind}" for t in tensors if t.kind not in ("codes", "values"))]
+    same_device = (a.get("environment") or {}).get("device") == (b.get("environment") or {}).get("device")
+    if a["version"] != b["version"] and same_device and a.get("code_version") == b.get("code_version"):
+        lines.append(f"differs: rebuilt as {b['version']}, not {a['version']}: with the same code on the same device, "
+                     f"the recipe or the pins are not what made this bundle")
+        return Verdict(DIFFERS, lines, env, tensors)
+    if not env:
+        lines.append("determinism bug: the bytes differ although the environment fingerprint (CPU kernel, GPU, "
+                     "driver, libraries, threads, determinism settings) is the same")
+        lines += [_tensor_line(t) for t in tensors[:10]]
+        return Verdict(NONDETERMINISTIC, lines, env, tensors)
+    tol = build_params(RebuildTolerance, _recipe_tolerance(original), f"{original / 'recipe.yaml'}: rebuild")
+    deltas = metric_deltas(a, b)
+    lines.append(f"{'tensor':<56} {'kind':>6} {'differing':>10} {'max |deq diff|':>15}")
+    lines += [_tensor_line(t) for t in sorted(tensors, key=lambda t: (-t.mismatch, t.name))[:20]]
+    if len(tensors) > 20:
+        lines.append(f"... {len(tensors) - 20} more tensors differ")
+    worst = max(deltas.items(), key=lambda kv: kv[1][2] if not math.isnan(kv[1][2]) else math.inf, default=None)
+    for k in ("evaluation.kl_audio_mean", "evaluation.kl_text", "evaluation.top1_audio_mean", "validation.snr_db",
+              "validation.log_mel_distance_db"):
+        if k in deltas:
+            x, y, r = deltas[k]
+            lines.append(f"{k}: {x:.6g} -> {y:.6g} ({100 * r:.2f}%)")
+    if worst:
+        lines.append(f"largest figure change: {worst[0]} {worst[1][0]:.6g} -> {worst[1][1]:.6g} ({100 * worst[1][2]:.2f}%)")
+    failed = []
+    structural = [t for t in tensors if t.kind not in ("codes", "values")]
+    if structural:
+        failed.append(f"{structural[0].name}: {structural[0].kind}")
+    over = [t for t in tensors if t.kind in ("codes", "values") and t.mismatch > tol.max_code_mismatch]
+    if over:
+        failed.append(f"{over[0].name}: {100 * over[0].mismatch:.3f}% of codes differ (tolerance "
+                      f"{100 * tol.max_code_mismatch:.3f}%)")
+    # The summary figures are judged; per-codebook and per-block entries (k[i]) are sampling-noisy detail.
+    for k, (x, y, _) in deltas.items():
+        if "[" in k:
+            continue
+        if math.isnan(x) or math.isnan(y) or abs(y - x) > tol.max_metric_rel_delta * abs(x) + tol.metric_abs_delta:
+            failed.append(f"{k}: {x:.6g} -> {y:.6g} (tolerance {tol.max_metric_rel_delta:g} relative + "
+                          f"{tol.metric_abs_delta:g})")
+            break
+    if a.get("status") != b.get("status"):
+        failed.append(f"gate status: {a.get('status')} -> {b.get('status')}")
+    verdict = DIFFERS if failed else EQUIVALENT
+    lines.append(f"{verdict}: " + ("; ".join(failed) if failed else
+                 f"every tensor within {100 * tol.max_code_mismatch:g}% differing codes and every summary figure within "
+                 f"{100 * tol.max_metric_rel_delta:g}% (+{tol.metric_abs_delta:g}) of the original's (the recipe's rebuild tolerances)"))
+    return Verdict(verdict, lines, env, tensors, deltas)
+
+
+def _recipe_tolerance(bundle: Path) -> dict:
+    import yaml
+
+    recipe = yaml.safe_load((bundle / "recipe.yaml").read_text()) or {}
+    return recipe.get("rebuild") or {}
+
+
+def _tensor_line(t: TensorDiff) -> str:
+    return f"{t.name:<56} {t.kind:>6} {100 * t.mismatch:>9.3f}% {t.max_abs_diff:>15.6g}"
+
+
+def rebuild(bundle: Path, model_path=None, scratch: Path | None = None, log=print, keep: bool = False) -> tuple[Verdict, Path | None]:
+    """Rebuild `bundle` in `scratch` (a new temporary folder by default) and judge it. Returns the
+    verdict and the rebuilt bundle when it is kept (`keep`, or it differs); otherwise the
+    scratch folder is gone when this returns, whatever happened."""
     from .bundle import verify_bundle
     from .cli import build_from
+    from .environment import differences, fingerprint
     from .source import load_model_spec
 
     manifest = verify_bundle(bundle)
-    for line in environment_drift(manifest.get("environment", {})):
-        log(f"warning: environment differs: {line}")
     spec = load_model_spec(manifest["model"])
     pins = manifest["source"]
     spec.repo, spec.revision, spec.files = pins["repo"], pins["revision"], pins["files"]  # the recorded pins
-    scratch = Path(scratch or tempfile.mkdtemp(prefix="mossquant-rebuild-"))
-    ctx = build_from(bundle / "recipe.yaml", spec, model_path, use_cache=False,
-                     cache_root=scratch / "cache", bundle_root=scratch / "bundle")
-    return compare_bundles(bundle, ctx.bundle), ctx.bundle
+    recorded = manifest.get("environment") or {}
+    for line in differences(recorded, fingerprint(recorded.get("device", "cpu"))):
+        log(f"environment differs: {line}")
+    scratch = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="mossquant-rebuild-"))
+    kept = None
+    try:
+        ctx = build_from(bundle / "recipe.yaml", spec, model_path, use_cache=False,
+                         cache_root=scratch / "cache", bundle_root=scratch / "bundle")
+        verdict = judge(bundle, ctx.bundle)
+        if keep or verdict.verdict in (DIFFERS, NONDETERMINISTIC):
+            kept = ctx.bundle
+        return verdict, kept
+    finally:
+        shutil.rmtree(scratch / "cache", ignore_errors=True)
+        if kept is None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def cmd_rebuild(args):
@@ -91,19 +246,25 @@ def cmd_rebuild(args):
         target = str(newest_bundle(f"{args.model}/{args.profile}"))
     if not target:
         raise PipelineError("rebuild: give a bundle folder, a registry reference, or --profile/--model")
-    bundle = Path(target)
+    bundle, pulled = Path(target), None
     if not bundle.is_dir():  # a registry reference: pull it first (every blob verified)
         from .registry import open_registry, pull, split_ref
 
         url, ref = split_ref(target)
-        bundle = Path(tempfile.mkdtemp(prefix="mossquant-pulled-")) / "bundle"
+        pulled = Path(tempfile.mkdtemp(prefix="mossquant-pulled-"))
+        bundle = pulled / "bundle"
         pull(open_registry(url), ref, bundle)
-        print(f"pulled {target} into {bundle}", file=sys.stderr)
-    diffs, rebuilt = rebuild(bundle, args.model_path, log=lambda m: print(m, file=sys.stderr))
-    if diffs:
-        print("\n".join(diffs))
-        raise RebuildDiffers(f"rebuild of {bundle} differs (rebuilt copy kept at {rebuilt})")
-    print("identical")
+        print(f"pulled {target}", file=sys.stderr)
+    try:
+        verdict, kept = rebuild(bundle, args.model_path, log=lambda m: print(m, file=sys.stderr))
+    finally:
+        if pulled:
+            shutil.rmtree(pulled, ignore_errors=True)
+    print("\n".join(verdict.lines))
+    if kept:
+        print(f"rebuilt copy kept at {kept}", file=sys.stderr)
+    if verdict.exit_code:
+        raise SystemExit(verdict.exit_code)
 
 
 def _args(p):
@@ -115,4 +276,5 @@ def _args(p):
 
 from .cli import register  # noqa: E402
 
-register("rebuild", "rebuild a bundle from its manifest and compare bit for bit", cmd_rebuild, _args)
+register("rebuild", "rebuild a bundle from its manifest and say what matches: identical (0), differs (4), "
+         "equivalent (5), determinism bug (6)", cmd_rebuild, _args)

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import fsync_tree, temporary_sibling
 from .errors import PipelineError
 from .progress import progress
 
@@ -256,27 +257,37 @@ def _colors(entries: list[Entry]) -> dict[str, object]:
     return {e.profile: cycle(i % 10) for i, e in enumerate(entries)}
 
 
-def _scatter(ax, entries, colors, value, ylabel, reference=None):
+def _scatter(ax, entries, colors, value, ylabel, reference=None, log=False):
+    """One marker per bundle, named in a legend (text labels beside close points run together)."""
     for e in entries:
         y = value(e)
-        if y is None:
+        if y is None or (log and y <= 0):
             continue
         rejected = e.manifest["status"] == "rejected"
-        ax.scatter(e.bpw["effective"], y, color=colors[e.profile], marker="X" if rejected else "o", s=60, zorder=3)
-        ax.annotate(e.profile + (" (rejected)" if rejected else ""), (e.bpw["effective"], y),
-                    textcoords="offset points", xytext=(5, 5), fontsize=8)
-    if reference is not None:
-        ax.scatter(BF16_BPW, reference[0], color="grey", marker="*", s=120, zorder=3)
-        ax.annotate(reference[1], (BF16_BPW, reference[0]), textcoords="offset points", xytext=(-5, 8), fontsize=8, ha="right")
+        ax.scatter(e.bpw["effective"], y, color=colors[e.profile], marker="X" if rejected else "o", s=60, zorder=3,
+                   label=e.profile + (" (rejected)" if rejected else ""))
+    if reference is not None and not (log and reference[0] <= 0):
+        ax.scatter(BF16_BPW, reference[0], color="grey", marker="*", s=120, zorder=3, label=reference[1])
+    if log:
+        ax.set_yscale("log")
     ax.set_xlabel("effective bits per weight")
     ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _legend_outside(fig, ax):
+    """The legend right of the axes, where it cannot cover a point."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
 
 
 def plot_bpw_vs_fidelity(fig, entries, colors):
     a, b = fig.subplots(1, 2)
-    _scatter(a, entries, colors, lambda e: e.metrics.get("kl_audio_mean"), "KL audio (mean over codebooks)", (0.0, "BF16 source"))
+    # KL spans decades between profiles (and BF16 is 0): a log axis, the source shown on the top-1 panel only.
+    _scatter(a, entries, colors, lambda e: e.metrics.get("kl_audio_mean"), "KL audio (mean over codebooks, log)", log=True)
     _scatter(b, entries, colors, lambda e: e.metrics.get("top1_audio_mean"), "top-1 agreement, audio (mean)", (1.0, "BF16 source"))
+    _legend_outside(fig, b)
     fig.suptitle("Cost against fidelity (teacher-forced, held-out set; X = rejected by the gate)")
 
 
@@ -287,6 +298,7 @@ def plot_codec_bpw_vs_fidelity(fig, entries, colors):
              (base["snr_db"], "BF16 weights") if "snr_db" in base else None)
     _scatter(b, entries, colors, lambda e: e.codec.get("log_mel_distance_db"), "log-mel distance (dB)",
              (base["log_mel_distance_db"], "BF16 weights") if "log_mel_distance_db" in base else None)
+    _legend_outside(fig, b)
     fig.suptitle("Codec: cost against fidelity (X = rejected by the gate)")
 
 
@@ -316,10 +328,11 @@ def plot_per_codebook(fig, entries, colors):
             ax.plot(range(len(vals)), vals, marker=".", color=colors[e.profile], label=e.profile)
     a.set_ylabel("KL (source ‖ bundle)")
     b.set_ylabel("top-1 agreement")
+    a.set_yscale("log")  # per-codebook KL spans decades between profiles
     for ax in (a, b):
         ax.set_xlabel("audio codebook")
-        ax.grid(alpha=0.3)
-    b.legend(fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+    _legend_outside(fig, b)
     fig.suptitle("Per-codebook fidelity (audio heads)")
 
 
@@ -385,9 +398,7 @@ def write_report(model: str, root: Path | None = None) -> Path:
     plt = _pyplot()
     colors = _colors(entries)
     folder = root / model
-    tmp = folder / f".report.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temporary_sibling(folder / "report")
     try:
         plots = {}
         for stem, alt, fn, shown in progress(plot_specs(entries), desc="report: plots", unit="plot"):
@@ -396,11 +407,12 @@ def write_report(model: str, root: Path | None = None) -> Path:
             try:
                 fn(fig, shown, colors)
                 fig.tight_layout()
-                fig.savefig(tmp / f"{stem}.png", dpi=100, metadata={"Software": None})  # no version stamp: stable bytes
+                fig.savefig(tmp / f"{stem}.png", dpi=100, bbox_inches="tight", metadata={"Software": None})  # no version stamp: stable bytes
             finally:
                 plt.close(fig)
             plots[stem] = alt
         (tmp / REPORT).write_text(render(model, entries, plots, root))
+        fsync_tree(tmp)
         for stem in sorted(plots):
             os.replace(tmp / f"{stem}.png", folder / f"{stem}.png")
         os.replace(tmp / REPORT, folder / REPORT)  # last: the plots it names are already in place

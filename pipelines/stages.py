@@ -20,6 +20,7 @@ from typing import Callable
 
 from .atomic import atomic_folder
 from .checkpoint import canonical_json
+from .environment import fingerprint, library_versions
 from .errors import PipelineError
 from .source import ARTIFACTS, ROOT, ModelSpec, pins_digest
 
@@ -63,6 +64,7 @@ class RunContext:
     dirs: dict[str, Path] = field(default_factory=dict)  # stage -> its output folder
     keys: dict[str, str] = field(default_factory=dict)  # stage -> cache key
     stats: dict[str, dict] = field(default_factory=dict)  # stage -> wall time and memory peaks (benchmarks)
+    environments: dict[str, dict] = field(default_factory=dict)  # stage -> the fingerprint it ran under
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
     @property
@@ -75,19 +77,6 @@ class RunContext:
         if not hasattr(self, "_ckpt"):
             self._ckpt = Checkpoint(self.snapshot)
         return self._ckpt
-
-
-def library_versions() -> dict[str, str]:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "safetensors", "autoawq", "auto-round"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "absent"
-    return out
 
 
 @lru_cache(maxsize=1)
@@ -123,6 +112,9 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+ENVIRONMENT = "environment.json"
+
+
 def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
     """Run every stage of the profile in order, skipping those already in the cache."""
     for name, params in ctx.profile.stages.items():
@@ -131,16 +123,23 @@ def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
         started = _stats_start()
         ctx.keys[name] = key
         final = ctx.cache_root / name / key
-        if use_cache and spec.cached and (final / "result.json").exists():
+        cached = use_cache and spec.cached and (final / "result.json").exists()
+        if cached:
             ctx.log(f"stage {name}: cached ({key[:12]})")
         else:
             ctx.log(f"stage {name}: running ({key[:12]})")
             with atomic_folder(final) as tmp:
                 result = _p(spec.run)(ctx, params, tmp)
                 (tmp / "result.json").write_text(canonical_json(result, indent=2))
+                env = fingerprint(result.get("device", ctx.device) if isinstance(result, dict) else ctx.device)
+                (tmp / ENVIRONMENT).write_text(canonical_json(env, indent=2))
         ctx.dirs[name] = final
         ctx.results[name] = json.loads((final / "result.json").read_text())
+        env_file = final / ENVIRONMENT
+        ctx.environments[name] = json.loads(env_file.read_text()) if env_file.exists() else fingerprint(ctx.device)
         ctx.stats[name] = _stats_end(started)
+        if not cached:
+            ctx.log(f"stage {name}: done in {ctx.stats[name]['wall_s']:.1f} s")
     return ctx
 
 

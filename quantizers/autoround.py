@@ -96,6 +96,8 @@ def compressor(model, ids: list[torch.Tensor], cfg: AutoRoundConfig, seed: int, 
     from auto_round import AutoRound
     from auto_round.algorithms.quantization.sign_round.config import SignRoundConfig
 
+    plain_logs()
+
     if not ids or not all(isinstance(t, torch.Tensor) for t in ids):
         raise QuantizerError("auto-round calibration: expected a non-empty list of id tensors")
     sign_round = SignRoundConfig(iters=cfg.iters, lr=cfg.lr)
@@ -108,6 +110,19 @@ def compressor(model, ids: list[torch.Tensor], cfg: AutoRoundConfig, seed: int, 
         low_gpu_mem_usage=cfg.low_gpu_mem_usage and device.startswith("cuda"),
         to_quant_block_names=BLOCKS,
     )
+
+
+def plain_logs() -> None:
+    """auto-round colours its log lines with terminal escapes; off a terminal, plain warnings only."""
+    import logging
+    import sys
+
+    if sys.stderr.isatty():
+        return
+    log = logging.getLogger("autoround")
+    for h in log.handlers:
+        h.setFormatter(logging.Formatter("auto-round %(levelname)s: %(message)s"))
+    log.setLevel(logging.WARNING)
 
 
 def int_weight(layer: nn.Module) -> IntWeight:
@@ -140,12 +155,20 @@ def tune(qwen3_config, get: Callable[[str], torch.Tensor], block_inputs: torch.T
     if block_inputs.shape[1] != cfg.seqlen:
         raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {block_inputs.shape[1]}")
     model, ids = embeds_lm(qwen3_config, get, block_inputs)
+    import os
+
     was_deterministic = torch.are_deterministic_algorithms_enabled()
-    try:  # auto-round switches deterministic algorithms on process-wide: give the caller its setting back
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         ar = compressor(model, ids, cfg, seed, device)
         ar.quantize()
     finally:
-        torch.use_deterministic_algorithms(was_deterministic)
+        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
+        if was_workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = was_workspace
     tuned = int_weights(model)
     if not tuned:
         raise QuantizerError("auto-round quantized no Linear under model.layers")
@@ -159,3 +182,10 @@ def tuning_record(cfg: AutoRoundConfig) -> dict:
     d = dataclasses.asdict(cfg)
     return {k: d[k] for k in ("iters", "nsamples", "seqlen", "batch_size", "lr")} | {
         "autoround_version": auto_round.__version__, "enable_quanted_input": True, "enable_minmax_tuning": True}
+
+
+def determinism_record(cfg: AutoRoundConfig) -> dict:
+    """What auto-round ran under (it sets these for its own run; the manifest's environment shows the
+    process settings before and after)."""
+    return {"deterministic_algorithms": True, "deterministic_warn_only": not cfg.enable_deterministic_algorithms,
+            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": False}

@@ -158,7 +158,7 @@ def _nothing_written(root: Path):
     ({"nsamples": 4, "seqlen": 64}, {"nsamples": 8, "seqlen": 64},
      r"needs nsamples=8 x seqlen=64 = 512 calibration tokens, but moss-calib-v1 has 4 x 64 = 256 \(4 samples"),
     ({"nsamples": 4, "seqlen": 64}, {"nsamples": 4, "seqlen": 64, "group_size": 512},
-     r"language_model\.layers\.0\.self_attn\.q_proj\.weight: group_size=512 does not divide the input width 256"),
+     r"awq4-test\.yaml: stages\.quantize\.group_size: 512 does not divide the input width 256 of self_attn\.q_proj"),
 ])
 def test_bad_calibration_or_group_size_fail_in_one_line_leaving_nothing(tmp_path, tiny_path, calibrate, quantize, match):
     from pipelines.cli import build
@@ -168,6 +168,8 @@ def test_bad_calibration_or_group_size_fail_in_one_line_leaving_nothing(tmp_path
         build(str(path), "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
     assert "\n" not in str(e.value)
     _nothing_written(tmp_path)
+    if "group_size" in quantize:  # refused when the plan is resolved: not even calibration ran
+        assert not (tmp_path / "cache").exists()
 
 
 def test_block_structure_not_matching_the_mappings_is_refused(tmp_path, tiny_path):

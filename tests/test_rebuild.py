@@ -1,15 +1,19 @@
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file, save_file
 
 from pipelines.checkpoint import canonical_json, sha256_file
 from pipelines.cli import build
 from pipelines.profile import known_profiles
 from pipelines.rebuild import rebuild
+from pipelines.source import ROOT
 
 
 def _copy_bundle(ctx, tmp_path):
@@ -18,16 +22,49 @@ def _copy_bundle(ctx, tmp_path):
     return dst
 
 
-def test_rebuild_reports_identical_and_warns_on_environment_drift(rtn4_build, tmp_path):
+def _rehash(bundle, *files):
+    m = json.loads((bundle / "manifest.json").read_text())
+    for f in files:
+        m["files"][f] = {"sha256": sha256_file(bundle / f), "size": (bundle / f).stat().st_size}
+    (bundle / "manifest.json").write_text(canonical_json(m, indent=2))
+    return m
+
+
+def _edit_manifest(bundle, edit):
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    (bundle / "manifest.json").write_text(canonical_json(m, indent=2))
+
+
+def _flip_one_code(bundle):
+    """One 4-bit code of one Linear moves by one step (as a near-tie decided the other way would)."""
+    f = bundle / "model.safetensors"
+    tensors = load_file(f)
+    name = "language_model.layers.1.mlp.up_proj.qweight"
+    tensors[name][0, 0] ^= 1
+    save_file(tensors, f, {"format": "pt"})
+    _rehash(bundle, "model.safetensors")
+
+
+def test_rebuild_reports_identical_warns_on_drift_and_leaves_nothing(rtn4_build, tmp_path):
     b = _copy_bundle(rtn4_build, tmp_path)
-    m = json.loads((b / "manifest.json").read_text())
-    m["environment"]["torch"] = "0.0.1"  # not a payload file: only the warning changes
-    (b / "manifest.json").write_text(canonical_json(m, indent=2))
+    _edit_manifest(b, lambda m: m["environment"]["libraries"].update(torch="0.0.1"))  # not a payload file
     logs = []
-    diffs, rebuilt = rebuild(b, scratch=tmp_path / "scratch", log=logs.append)
-    assert diffs == []
-    assert any("torch: built with 0.0.1" in line for line in logs)
-    assert rebuilt.name == b.name  # same inputs, same version id
+    verdict, kept = rebuild(b, scratch=tmp_path / "scratch", log=logs.append)
+    assert verdict.verdict == "identical" and verdict.exit_code == 0 and kept is None
+    assert any("libraries.torch: built with 0.0.1" in line for line in logs)
+    assert not (tmp_path / "scratch").exists()  # the scratch build is removed after `identical`
+
+
+def test_manifest_records_the_environment_fingerprint(rtn4_build):
+    env = json.loads((rtn4_build.bundle / "manifest.json").read_text())["environment"]
+    assert env["device"] == "cpu" and env["gpu"] is None and env["threads"] >= 1
+    assert env["cpu"]["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert {"python", "torch", "transformers", "autoawq", "auto-round"} <= set(env["libraries"])
+    assert {"deterministic_algorithms", "matmul_tf32", "cudnn_tf32", "cublas_workspace_config",
+            "torch_compile"} <= set(env["determinism"])
+    text = json.dumps(env)
+    assert os.uname().nodename not in text and str(ROOT) not in text  # no host names or paths
 
 
 def test_a_changed_recipe_makes_rebuild_fail_and_name_the_difference(rtn4_build, tmp_path):
@@ -35,14 +72,42 @@ def test_a_changed_recipe_makes_rebuild_fail_and_name_the_difference(rtn4_build,
     recipe = yaml.safe_load((b / "recipe.yaml").read_text())
     recipe["stages"]["quantize"]["group_size"] = 64  # the recorded recipe no longer made these bytes
     (b / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    m = json.loads((b / "manifest.json").read_text())
-    m["files"]["recipe.yaml"] = {"sha256": sha256_file(b / "recipe.yaml"), "size": (b / "recipe.yaml").stat().st_size}
-    (b / "manifest.json").write_text(canonical_json(m, indent=2))
+    _rehash(b, "recipe.yaml")
     r = subprocess.run([sys.executable, "-m", "pipelines", "rebuild", str(b)], capture_output=True, text=True)
-    assert r.returncode == 4
+    assert r.returncode == 4, r.stderr
     assert "model.safetensors: differs" in r.stdout
-    assert ".qzeros: torch.int32[2, " in r.stdout or ".scales: torch.float16[2, " in r.stdout  # 256/128 -> 256/64 groups
-    assert r.stderr.strip().splitlines()[-1].startswith("error: rebuild of")
+    assert "the recipe or the pins are not what made this bundle" in r.stdout
+    kept = next(line for line in r.stderr.splitlines() if line.startswith("rebuilt copy kept at "))
+    shutil.rmtree(kept.removeprefix("rebuilt copy kept at ").rsplit("/bundle/", 1)[0])  # kept to inspect, and named
+
+
+def test_same_environment_other_bytes_is_a_determinism_bug(rtn4_build, tmp_path):
+    b = _copy_bundle(rtn4_build, tmp_path)
+    _flip_one_code(b)
+    verdict, kept = rebuild(b, scratch=tmp_path / "scratch", log=lambda m: None)
+    assert verdict.verdict == "nondeterministic" and verdict.exit_code == 6
+    assert any("determinism bug" in line for line in verdict.lines)
+    assert any("layers.1.mlp.up_proj.weight" in line for line in verdict.lines)
+    shutil.rmtree(kept.parent)
+
+
+@pytest.mark.parametrize("tolerance,expected", [(0.001, "equivalent"), (0.0, "differs")])
+def test_other_environment_is_measured_against_the_recipe_tolerances(rtn4_build, tmp_path, tolerance, expected):
+    b = _copy_bundle(rtn4_build, tmp_path)
+    recipe = yaml.safe_load((b / "recipe.yaml").read_text())
+    recipe["rebuild"]["max_code_mismatch"] = tolerance
+    (b / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    _flip_one_code(b)
+    _rehash(b, "recipe.yaml")
+    _edit_manifest(b, lambda m: m["environment"]["cpu"].update(torch_capability="ELSEWHERE"))
+    verdict, kept = rebuild(b, scratch=tmp_path / "scratch", log=lambda m: None)
+    assert verdict.verdict == expected and verdict.exit_code == {"equivalent": 5, "differs": 4}[expected]
+    (t,) = verdict.tensors
+    assert t.name == "language_model.layers.1.mlp.up_proj.weight" and t.kind == "codes"
+    assert t.mismatch == pytest.approx(1 / (768 * 256)) and t.max_abs_diff > 0
+    assert any("cpu.torch_capability" in line for line in verdict.environment)
+    if kept:
+        shutil.rmtree(kept.parent)
 
 
 def test_rebuild_of_a_bundle_pulled_from_the_registry(rtn4_build, tmp_path):
@@ -52,8 +117,35 @@ def test_rebuild_of_a_bundle_pulled_from_the_registry(rtn4_build, tmp_path):
     push(reg, rtn4_build.bundle)
     pulled = tmp_path / "pulled"
     pull(reg, rtn4_build.bundle.name, pulled)
-    diffs, _ = rebuild(pulled, scratch=tmp_path / "scratch", log=lambda m: None)
-    assert diffs == []
+    verdict, _ = rebuild(pulled, scratch=tmp_path / "scratch", log=lambda m: None)
+    assert verdict.verdict == "identical"
+
+
+def _other_kernel() -> str | None:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    return "avx2" if "avx2" in flags else None
+
+
+@pytest.mark.parametrize("profile,allowed", [
+    ("rtn4", {0}), ("codec-fp8", {0}),  # elementwise: the same bytes under any kernel
+    ("awq4", {0, 5}), ("autoround-q3", {0, 5}),  # searches over float losses: at least equivalent
+])
+def test_rebuild_under_another_cpu_kernel(profile, allowed, tmp_path):
+    """Built with torch's plain C++ kernels, rebuilt with the vectorised ones."""
+    other = _other_kernel()
+    if other is None:
+        pytest.skip("this CPU has no AVX2: a single torch CPU kernel")
+    base = dict(os.environ, MOSSQUANT_ARTIFACTS=str(tmp_path / "artifacts"), PYTHONPATH=str(ROOT))
+    mq = [sys.executable, "-m", "pipelines"]
+    r = subprocess.run([*mq, "quantize", profile, "--model", "tiny"], env=dict(base, ATEN_CPU_CAPABILITY="default"),
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    bundle = r.stdout.strip().splitlines()[-1].removeprefix("bundle: ")
+    r = subprocess.run([*mq, "rebuild", bundle], env=dict(base, ATEN_CPU_CAPABILITY=other),
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode in allowed, r.stdout + r.stderr[-2000:]
+    assert "environment differs: cpu.torch_capability: built with DEFAULT, now AVX2" in r.stderr
+    assert r.stdout.strip().splitlines()[-1].split(":")[0] in {0: {"identical"}, 5: {"equivalent"}}[r.returncode]
 
 
 @pytest.mark.parametrize("profile", known_profiles())

@@ -70,14 +70,16 @@ def test_pin_writes_every_sha256_like_a_lock_file(tiny_path, tmp_path, monkeypat
     ({"stages": {"quantize": {"method": "rtn", "sym": "no"}}}, r"stages.quantize.sym: expected bool, got 'no'"),
     ({"stages": {"quantize": {"method": "gptq9"}}}, r"stages.quantize.method: unknown method 'gptq9'"),
     ({"stages": {"calibrate": {"nsamples": "many"}}}, r"stages.calibrate.nsamples: expected int"),
-    ({"stages": {"shuffle": {}}}, r"unknown stage 'shuffle'"),
+    ({"stages": {"shuffle": {}}}, r"stages.shuffle: unknown stage \(allowed: "),
+    ({"stages": {"evalute": {}}, "models": {"tiny": {"evaluate": {"nsamples": 2}}}},
+     r"stages.evalute: unknown stage \(did you mean 'evaluate'\? allowed: "),
     ({"stagez": {}}, r"unknown key 'stagez'"),
 ])
 def test_profile_schema_errors_name_file_key_and_allowed_values(tmp_path, edit, message):
     p = tmp_path / "bad.yaml"
     p.write_text(yaml.safe_dump({"name": "bad", "kind": "generator", **edit}))
     with pytest.raises(PipelineError, match=message) as e:
-        load_profile(str(p))
+        load_profile(str(p), "tiny")  # with the model's overrides applied: a misspelled stage is still named
     assert "bad.yaml" in str(e.value)
 
 

@@ -93,7 +93,7 @@ def run_quantize(ctx, params: QuantizeStage, out: Path) -> dict:
         "config": result.config,
     }
     (out / QUANT_META).write_text(canonical_json(meta, indent=2))
-    return {"method": params.method, "device_kind": device.split(":")[0], "tensors": len(result.tensors)}
+    return {"method": params.method, "device": device, "device_kind": device.split(":")[0], "tensors": len(result.tensors)}
 
 
 def load_quant(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from quantizers.autoround import AutoRoundConfig, tune, tuning_record
+from quantizers.autoround import AutoRoundConfig, determinism_record, tune, tuning_record
 from quantizers.errors import QuantizerError
 from quantizers.rtn import RTNConfig, quantize_rtn
 
@@ -61,6 +61,7 @@ def quantize(ctx, cfg: AutoRoundConfig, device: str):
         "calibration_inputs": f"block-0 inputs: summed text + {mcfg.n_vq} audio embeddings",
         "tuned_blocks": BLOCK_PREFIX,
         "low_gpu_mem_usage": cfg.low_gpu_mem_usage and device.startswith("cuda"),
+        "determinism": determinism_record(cfg),
         **fidelity(ctx, ckpt, quantized, cfg),
     }
     return gptq_result(ckpt, quantized, qc, extra=extra)

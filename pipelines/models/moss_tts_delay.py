@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers import Qwen3Config, Qwen3Model
 
+from ..errors import PipelineError
+
 # What is quantized, declared as data (GPTQModel-style module tree). Keys are relative to
 # `language_model.layers.{i}.`; input-sharing groups say which Linears read the same input
 # and which module produces it (the norm or linear a smoothing scale folds into).
@@ -34,6 +36,18 @@ INPUT_GROUPS = (
 )
 
 
+REQUIRED_TOP = ("n_vq", "audio_vocab_size")
+REQUIRED_LANGUAGE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size")
+
+
+def _positive_int(d: dict, key: str, where: str) -> None:
+    if key not in d:
+        raise PipelineError(f"{where}: key {key!r} missing")
+    if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 1:
+        raise PipelineError(f"{where}: {key} must be a positive integer, got {d[key]!r}")
+
+
 @dataclass(frozen=True)
 class MossTTSDelayConfig:
     language_config: dict
@@ -44,14 +58,28 @@ class MossTTSDelayConfig:
     raw: dict | None = None  # the whole config.json, written back unchanged on export
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MossTTSDelayConfig":
+    def from_dict(cls, d: dict, where: str = "config.json") -> "MossTTSDelayConfig":
+        """Checked: a missing or malformed field is one line naming the file and the key."""
         if d.get("model_type") != "moss_tts_delay":
-            raise ValueError(f"config.json: model_type is {d.get('model_type')!r}, expected 'moss_tts_delay'")
+            raise PipelineError(f"{where}: model_type is {d.get('model_type')!r}, expected 'moss_tts_delay'")
+        lc = d.get("language_config")
+        if not isinstance(lc, dict):
+            raise PipelineError(f"{where}: key 'language_config' missing (the Qwen3 backbone's config)")
+        for key in REQUIRED_TOP:
+            _positive_int(d, key, where)
+        for key in REQUIRED_LANGUAGE:
+            _positive_int(lc, key, f"{where}: language_config")
+        if lc["num_attention_heads"] % lc["num_key_value_heads"]:
+            raise PipelineError(f"{where}: language_config.num_attention_heads {lc['num_attention_heads']} is not a "
+                                f"multiple of num_key_value_heads {lc['num_key_value_heads']}")
+        pad = d.get("audio_pad_code", d["audio_vocab_size"])
+        if not isinstance(pad, int) or not 0 <= pad <= d["audio_vocab_size"]:
+            raise PipelineError(f"{where}: audio_pad_code {pad!r} is not a code in [0, audio_vocab_size]")
         return cls(
-            language_config=dict(d["language_config"]),
+            language_config=dict(lc),
             n_vq=int(d["n_vq"]),
             audio_vocab_size=int(d["audio_vocab_size"]),
-            audio_pad_code=int(d.get("audio_pad_code", d["audio_vocab_size"])),
+            audio_pad_code=int(pad),
             sampling_rate=int(d.get("sampling_rate", 24000)),
             raw=d,
         )
@@ -116,6 +144,16 @@ class MossTTSDelay(nn.Module):
 def block_linear_names(config: MossTTSDelayConfig) -> list[str]:
     """Every quantizable decoder Linear, in stable (block, module) order."""
     return [f"{BLOCK_PREFIX}.{i}.{m}" for i in range(config.num_layers) for m in BLOCK_LINEARS]
+
+
+def block_linear_shapes(config: MossTTSDelayConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of every decoder-block Linear, from config.json alone."""
+    lc = config.language_config
+    h, f = config.hidden_size, int(lc["intermediate_size"])
+    heads, kv = int(lc["num_attention_heads"]), int(lc["num_key_value_heads"])
+    hd = int(lc.get("head_dim") or h // heads)
+    return {"self_attn.q_proj": (heads * hd, h), "self_attn.k_proj": (kv * hd, h), "self_attn.v_proj": (kv * hd, h),
+            "self_attn.o_proj": (h, heads * hd), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
 
 
 def component_of(tensor_name: str) -> str:

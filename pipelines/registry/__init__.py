@@ -6,14 +6,13 @@ layout. Each bundle gets its version id as an immutable tag and `<model>-<profil
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ..atomic import publish, temporary_sibling
 from ..errors import PipelineError
 from ..progress import progress
 from .artifact import DIGEST_RE, TAG_RE, Artifact, Blob, build_artifact, check_pulled, check_tag, parse_manifest
@@ -121,15 +120,13 @@ def pull(registry: Registry, ref: str, dest: Path) -> str:
     data, digest = got
     where = f"{registry.url}@{digest}"
     layers = parse_manifest(data, where)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.pull-"))
+    tmp = temporary_sibling(dest)
     try:
         for layer in progress(layers, desc="pull", unit="file"):
             (tmp / layer.path).parent.mkdir(parents=True, exist_ok=True)
             registry.fetch_blob(layer.digest, layer.size, tmp / layer.path, layer.path)
         check_pulled(tmp, layers, where)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        os.replace(tmp, dest)
+        publish(tmp, dest)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, PipelineError):
