@@ -41,7 +41,7 @@ from pathlib import Path
 from pipelines.rebuild import rebuild
 v, _ = rebuild(Path(sys.argv[1]), scratch=Path(sys.argv[2]), log=lambda m: None)
 codes = [t.mismatch for t in v.tensors if t.kind == "codes"]
-figs = [d for _, _, d in v.metrics.values() if not math.isnan(d)]
+figs = [d for k, (_, _, d) in v.metrics.items() if "[" not in k and not math.isnan(d)]  # the judged summary figures
 print(json.dumps({"verdict": v.verdict, "environment": v.environment,
                   "tensors_differing": len(v.tensors), "max_code_mismatch": max(codes, default=0.0),
                   "max_figure_rel_delta": max(figs, default=0.0), "lines": v.lines[-1:]}))
@@ -76,13 +76,18 @@ def cell(profile: str, model: str, name: str) -> dict:
 
         if not torch.cuda.is_available():
             return {"profile": profile, "cell": name, "skipped": "no GPU on this machine"}
+    import time
+
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
         built = _run(BUILD, [profile, model, str(Path(tmp) / "a")], env_a)
         if "error" in built:
             return {"profile": profile, "cell": name, "error": built["error"]}
+        t1 = time.perf_counter()
         out = _run(REBUILD, [built["bundle"], str(Path(tmp) / "b")], env_b)
     a = built["environment"]
-    return {"profile": profile, "cell": name, "built_on": _where(a), **out}
+    return {"profile": profile, "cell": name, "built_on": _where(a), **out,
+            "wall_s": {"build": round(t1 - t0, 1), "rebuild": round(time.perf_counter() - t1, 1)}}
 
 
 def _where(env: dict) -> str:
@@ -119,17 +124,30 @@ def main(argv=None):
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--cells", default="rerun,cpu-kernel")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--jobs", type=int, default=1, help="cells run side by side (each in its own processes)")
     ap.add_argument("--table", nargs="*", help="print the markdown matrix from these JSON files and exit")
     args = ap.parse_args(argv)
     if args.table is not None:
         rows = [r for f in args.table for r in json.loads(Path(f).read_text())]
         print(table(rows))
         return
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    # Side-by-side cells share the cores: each process gets its share of threads (oversubscribed
+    # CPU builds crawl). Rows are written as they finish, so a run cut short keeps what it measured.
+    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    jobs = [(p, c) for p in args.profiles.split(",") for c in args.cells.split(",")]
     rows = []
-    for profile in args.profiles.split(","):
-        for name in args.cells.split(","):
-            rows.append(cell(profile, args.model, name))
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for fut in as_completed([pool.submit(cell, p, args.model, c) for p, c in jobs]):
+            rows.append(fut.result())
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    order = {j: i for i, j in enumerate(jobs)}
+    rows.sort(key=lambda r: order[(r["profile"], r["cell"])])
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")

@@ -24,14 +24,17 @@ PROFILE_KEYS = {"name", "description", "kind", "seed", "stages", "models", "rebu
 @dataclass
 class RebuildTolerance:
     """When a rebuild whose bytes differ, made in another environment (CPU kernel, GPU, library),
-    counts as `equivalent` (pipelines/rebuild.py). Each profile states where its numbers come from."""
+    counts as `equivalent` (pipelines/rebuild.py). Each profile states where its numbers come from.
+
+    The judged figures are the ones the profile's gate checks: each may move by
+    `max_metric_rel_delta` of itself plus `gate_margin` of the gate's bound for it."""
 
     max_code_mismatch: float = 0.0  # fraction of a quantized tensor's integer codes that may differ
-    max_metric_rel_delta: float = 0.0  # every evaluation figure within this fraction of the original's ...
-    metric_abs_delta: float = 0.0  # ... plus this absolute slack (figures near zero)
+    max_metric_rel_delta: float = 0.0
+    gate_margin: float = 0.0
 
     def validate(self):
-        for k in ("max_code_mismatch", "max_metric_rel_delta", "metric_abs_delta"):
+        for k in ("max_code_mismatch", "max_metric_rel_delta", "gate_margin"):
             if not 0 <= getattr(self, k) <= 1:
                 raise ValueError(f"{k}: must be in [0, 1], got {getattr(self, k)}")
 

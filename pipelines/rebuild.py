@@ -175,24 +175,27 @@ def judge(original: Path, rebuilt: Path) -> Verdict:
     structural = [t for t in tensors if t.kind not in ("codes", "values")]
     if structural:
         failed.append(f"{structural[0].name}: {structural[0].kind}")
-    over = [t for t in tensors if t.kind in ("codes", "values") and t.mismatch > tol.max_code_mismatch]
+    over = [t for t in tensors if t.kind == "codes" and t.mismatch > tol.max_code_mismatch]
     if over:
         failed.append(f"{over[0].name}: {100 * over[0].mismatch:.3f}% of codes differ (tolerance "
                       f"{100 * tol.max_code_mismatch:.3f}%)")
-    # The summary figures are judged; per-codebook and per-block entries (k[i]) are sampling-noisy detail.
-    for k, (x, y, _) in deltas.items():
-        if "[" in k:
+    # Judged: the figures the gate checks (the rest is reported above, not judged).
+    for check in (a.get("gate") or {}).get("checks", []):
+        key = next((k for k in deltas if k.endswith("." + check["metric"])), None)
+        if key is None:
             continue
-        if math.isnan(x) or math.isnan(y) or abs(y - x) > tol.max_metric_rel_delta * abs(x) + tol.metric_abs_delta:
-            failed.append(f"{k}: {x:.6g} -> {y:.6g} (tolerance {tol.max_metric_rel_delta:g} relative + "
-                          f"{tol.metric_abs_delta:g})")
-            break
+        x, y, _ = deltas[key]
+        allowed = tol.max_metric_rel_delta * abs(x) + tol.gate_margin * abs(check["threshold"])
+        if math.isnan(x) or math.isnan(y) or abs(y - x) > allowed:
+            failed.append(f"{key}: {x:.6g} -> {y:.6g} (tolerance {allowed:.4g}: {tol.max_metric_rel_delta:g} of it "
+                          f"+ {tol.gate_margin:g} of the gate's bound {check['threshold']})")
     if a.get("status") != b.get("status"):
         failed.append(f"gate status: {a.get('status')} -> {b.get('status')}")
     verdict = DIFFERS if failed else EQUIVALENT
     lines.append(f"{verdict}: " + ("; ".join(failed) if failed else
-                 f"every tensor within {100 * tol.max_code_mismatch:g}% differing codes and every summary figure within "
-                 f"{100 * tol.max_metric_rel_delta:g}% (+{tol.metric_abs_delta:g}) of the original's (the recipe's rebuild tolerances)"))
+                 f"every tensor within {100 * tol.max_code_mismatch:g}% differing codes and every gated figure within "
+                 f"{100 * tol.max_metric_rel_delta:g}% of the original's + {100 * tol.gate_margin:g}% of the gate's bound "
+                 f"(the recipe's rebuild tolerances)"))
     return Verdict(verdict, lines, env, tensors, deltas)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import QuantizerError
+from .rtn import true_divide
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -50,7 +51,7 @@ def quantize_fp8(weight: torch.Tensor, cfg: FP8Config = FP8Config(), name: str =
     w = weight.float()
     if not torch.isfinite(w).all():
         raise QuantizerError(f"{name}: weight contains NaN or Inf")
-    scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    scale = true_divide(w.abs().amax(dim=1, keepdim=True), FP8_MAX)  # the same scale bits on CPU and GPU
     scale = torch.where(scale == 0, torch.full_like(scale, SCALE_EPS), scale)
     q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # round-to-nearest-even cast
     return FP8Weight(q, scale)

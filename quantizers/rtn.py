@@ -65,6 +65,13 @@ def check_shape(name: str, weight: torch.Tensor, bits: int, group_size: int) -> 
         )
 
 
+def true_divide(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b, correctly rounded on every device. torch's CUDA kernel turns a division by a Python
+    number into a multiplication by its reciprocal (other codes than the CPU's, measured on an H200);
+    a 0-d tensor on the same device keeps it a true division."""
+    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
+
+
 def grid_params(w: torch.Tensor, bits: int, group_size: int, sym: bool):
     """Scale and zero per (row, group) from the group's min/max (float32 math)."""
     out_f, in_f = w.shape
@@ -72,12 +79,12 @@ def grid_params(w: torch.Tensor, bits: int, group_size: int, sym: bool):
     maxq = 2**bits - 1
     if sym:
         amax = g.abs().amax(-1).clamp(min=1e-8)
-        scales = amax / (2 ** (bits - 1) - 0.5)  # full use of both ends: +-(2^(b-1) - 1/2) steps
+        scales = true_divide(amax, 2 ** (bits - 1) - 0.5)  # full use of both ends: +-(2^(b-1) - 1/2) steps
         zeros = torch.full_like(scales, 2 ** (bits - 1), dtype=torch.int32)
     else:
         gmin = g.amin(-1).clamp(max=0)
         gmax = g.amax(-1).clamp(min=0)
-        scales = ((gmax - gmin) / maxq).clamp(min=1e-8)
+        scales = true_divide(gmax - gmin, maxq).clamp(min=1e-8)
         zeros = torch.round(-gmin / scales).clamp(0, maxq).to(torch.int32)
     # Scales are stored as float16 on disk: round now so quantization sees the stored grid.
     scales = scales.to(torch.float16).float()
