@@ -56,5 +56,11 @@ report: install
 bench: install
 	$(PY) bench/run.py $(BENCH_ARGS)
 
+# The README's determinism matrix: CPU cells measured here; GPU cells from bench/results/determinism-gpu.json
+# (the same script with --cells cpu-gpu,gpu-rerun on a GPU machine).
+determinism: install
+	$(PY) bench/determinism.py --cells rerun,cpu-kernel --out bench/results/determinism-cpu.json > /dev/null
+	$(PY) bench/determinism.py --table bench/results/determinism-*.json
+
 clean:
 	rm -rf artifacts/.cache

@@ -41,7 +41,7 @@ from pathlib import Path
 from pipelines.rebuild import rebuild
 v, _ = rebuild(Path(sys.argv[1]), scratch=Path(sys.argv[2]), log=lambda m: None)
 codes = [t.mismatch for t in v.tensors if t.kind == "codes"]
-figs = [d for k, (_, _, d) in v.metrics.items() if "[" not in k and not math.isnan(d)]  # the judged summary figures
+figs = [abs(y - x) / abs(x) if x else 0.0 for x, y, _ in v.judged.values()]  # the gated figures rebuild judges
 print(json.dumps({"verdict": v.verdict, "environment": v.environment,
                   "tensors_differing": len(v.tensors), "max_code_mismatch": max(codes, default=0.0),
                   "max_figure_rel_delta": max(figs, default=0.0), "lines": v.lines[-1:]}))
@@ -111,8 +111,8 @@ def table(rows: list[dict]) -> str:
             elif r["verdict"] == "identical":
                 cells.append("identical")
             else:
-                cells.append(f"{r['verdict']} (codes ≤ {100 * r['max_code_mismatch']:.2f}%, "
-                             f"figures ≤ {100 * r['max_figure_rel_delta']:.2f}%)")
+                figs = (f", gated figures ≤ {100 * r['max_figure_rel_delta']:.2f}%" if "max_figure_rel_delta" in r else "")
+                cells.append(f"{r['verdict']} (codes ≤ {100 * r['max_code_mismatch']:.2f}%{figs})")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     where = sorted({f"{r['cell']}: built on {r['built_on']}" for r in rows if "built_on" in r})
     return "\n".join(lines) + "\n\n" + "; ".join(where)

@@ -44,6 +44,7 @@ class Verdict:
     environment: list[str] = field(default_factory=list)  # fingerprint differences
     tensors: list[TensorDiff] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # figure -> (original, rebuilt, relative delta)
+    judged: dict = field(default_factory=dict)  # the gated figures -> (original, rebuilt, allowed |delta|)
 
     @property
     def exit_code(self) -> int:
@@ -180,12 +181,14 @@ def judge(original: Path, rebuilt: Path) -> Verdict:
         failed.append(f"{over[0].name}: {100 * over[0].mismatch:.3f}% of codes differ (tolerance "
                       f"{100 * tol.max_code_mismatch:.3f}%)")
     # Judged: the figures the gate checks (the rest is reported above, not judged).
+    judged = {}
     for check in (a.get("gate") or {}).get("checks", []):
         key = next((k for k in deltas if k.endswith("." + check["metric"])), None)
         if key is None:
             continue
         x, y, _ = deltas[key]
         allowed = tol.max_metric_rel_delta * abs(x) + tol.gate_margin * abs(check["threshold"])
+        judged[key] = (x, y, allowed)
         if math.isnan(x) or math.isnan(y) or abs(y - x) > allowed:
             failed.append(f"{key}: {x:.6g} -> {y:.6g} (tolerance {allowed:.4g}: {tol.max_metric_rel_delta:g} of it "
                           f"+ {tol.gate_margin:g} of the gate's bound {check['threshold']})")
@@ -196,7 +199,7 @@ def judge(original: Path, rebuilt: Path) -> Verdict:
                  f"every tensor within {100 * tol.max_code_mismatch:g}% differing codes and every gated figure within "
                  f"{100 * tol.max_metric_rel_delta:g}% of the original's + {100 * tol.gate_margin:g}% of the gate's bound "
                  f"(the recipe's rebuild tolerances)"))
-    return Verdict(verdict, lines, env, tensors, deltas)
+    return Verdict(verdict, lines, env, tensors, deltas, judged)
 
 
 def _recipe_tolerance(bundle: Path) -> dict:
