@@ -15,7 +15,7 @@ import torch
 
 from pipelines.atomic import atomic_folder
 from pipelines.checkpoint import INDEX, Checkpoint, canonical_json, shard_names, shard_plan
-from pipelines.profile import load_profile
+from pipelines.api import plan
 from pipelines.stages import _stats_end, _stats_start
 
 SHARD_BYTES = 5 << 30
@@ -50,7 +50,7 @@ def write_backbone(fixture: Path, out: Path) -> Path:
 
 def settings(anchor: str, model: str, profile: str | None = None) -> dict:
     """The anchor's arguments, taken from the matching profile (or a copy of it) as resolved for `model`."""
-    prof = load_profile(profile or ANCHORS[anchor], model)
+    prof = plan(profile or ANCHORS[anchor], model)
     q = prof.stages["quantize"].config
     if anchor == "autoawq":
         return {"quant_config": {"w_bit": q.bits, "q_group_size": q.group_size, "zero_point": q.zero_point,

@@ -19,11 +19,11 @@ sys.path.insert(0, str(ROOT))
 def split(model: str = "full-shape") -> tuple[int, int]:
     """(backbone Linear parameters, all parameters) of a fixture's shapes."""
     from pipelines.fixtures import fixture_config, tensor_specs
-    from pipelines.models.moss_tts_delay import component_of
+    from pipelines.models.moss_tts_delay import DEFINITION
 
     specs = tensor_specs(fixture_config(model))
     total = sum(math.prod(s) for s in specs.values())
-    return sum(math.prod(s) for k, s in specs.items() if component_of(k) == "backbone_linears"), total
+    return sum(math.prod(s) for k, s in specs.items() if DEFINITION.component_of(k) == "backbone_linears"), total
 
 
 def main(argv=None) -> None:

@@ -30,7 +30,7 @@ CELLS = ("rerun", "cpu-kernel", "cpu-gpu", "gpu-rerun")
 BUILD = r"""
 import json, sys
 from pathlib import Path
-from pipelines.cli import build
+from pipelines.api import build
 ctx = build(sys.argv[1], sys.argv[2], use_cache=False, cache_root=Path(sys.argv[3]) / "cache", bundle_root=Path(sys.argv[3]) / "bundles")
 print(json.dumps({"bundle": str(ctx.bundle), "environment": ctx.environments["quantize"]}))
 """
@@ -38,7 +38,7 @@ print(json.dumps({"bundle": str(ctx.bundle), "environment": ctx.environments["qu
 REBUILD = r"""
 import json, math, sys
 from pathlib import Path
-from pipelines.rebuild import rebuild
+from pipelines.api import rebuild
 v, _ = rebuild(Path(sys.argv[1]), scratch=Path(sys.argv[2]), log=lambda m: None)
 codes = [t.mismatch for t in v.tensors if t.kind == "codes"]
 figs = [abs(y - x) / abs(x) if x else 0.0 for x, y, _ in v.judged.values()]  # the gated figures rebuild judges

@@ -23,10 +23,10 @@ def main(argv=None) -> None:
     import yaml
 
     from bench.run import pinned
-    from pipelines.cli import build_from
+    from pipelines.api import build_from, plan
     from pipelines.codec_fixtures import write_codec_fixture
     from pipelines.fixtures import write_fixture
-    from pipelines.profile import load_profile, profile_path
+    from pipelines.profile import profile_path
     from pipelines.source import load_model_spec
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     p.add_argument("--work", default="/tmp/moss-probe", help="fixtures (reused) and scratch")
     args = p.parse_args(argv)
 
-    codec = load_profile(args.profile).kind == "codec"
+    codec = plan(args.profile).kind == "codec"
     model = "codec-full-shape" if codec else "full-shape"
     work = Path(args.work)
     fixture = work / (model if codec else f"{model}-L{args.layers}")

@@ -76,10 +76,11 @@ def smoke_profile(name: str, model: str, work: Path) -> Path:
     """A copy of the profile whose per-model overrides for `model` are shrunk by SMOKE."""
     import yaml
 
-    from pipelines.profile import load_profile, profile_path
+    from pipelines.api import plan
+    from pipelines.profile import profile_path
 
     raw = yaml.safe_load(profile_path(name).read_text())
-    prof = load_profile(name, model)
+    prof = plan(name, model)
     over = raw.setdefault("models", {}).setdefault(model, {}) or {}
     for stage, params in prof.stages.items():
         fields = {f.name for f in dataclasses.fields(getattr(params, "config", params))}
@@ -100,7 +101,7 @@ def child(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     started = time.perf_counter()
     if job["what"] == "profile":
-        from pipelines.cli import build_from
+        from pipelines.api import build_from
         from pipelines.source import ModelSpec
 
         spec = ModelSpec(**{**job["spec"], "yaml_path": Path(job["spec"]["yaml_path"])})
@@ -268,7 +269,7 @@ def main(argv=None) -> None:
 
     from bench.anchors import ANCHORS, settings
     from pipelines.profile import known_profiles
-    from pipelines.stages import library_versions
+    from pipelines.environment import library_versions
 
     device = "cpu" if args.smoke else ("cuda" if torch.cuda.is_available() else "cpu")
     model = "tiny" if args.smoke else "full-shape"

@@ -49,25 +49,3 @@ def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path
         write_sharded(tmp, tensors, shard_size_mb << 20)
         (tmp / "config.json").write_text(canonical_json(qwen3, indent=2))
     return dest
-
-
-def cmd_export_backbone(args):
-    from .bundle import verify_bundle
-
-    verify_bundle(args.bundle)
-    print(f"backbone: {export_backbone(args.bundle, args.dest)}")
-
-
-def _args(p):
-    p.add_argument("bundle", help="a generator bundle folder")
-    p.add_argument("dest", help="new folder for the Qwen3ForCausalLM backbone")
-
-
-def _register():
-    from .cli import register
-
-    register("export-backbone", "write a bundle's Qwen3 backbone as a Qwen3ForCausalLM folder (transformers-loadable)",
-             cmd_export_backbone, _args)
-
-
-_register()

@@ -1,4 +1,5 @@
-"""`mossquant`: fixtures, pins, plans, builds, loading. Errors print one line and exit non-zero."""
+"""`mossquant`: the command line over pipelines.api (and the registry, report and backbone export).
+Errors print one line and exit non-zero. Nothing imports this module."""
 from __future__ import annotations
 
 import argparse
@@ -11,162 +12,60 @@ from pathlib import Path
 if not sys.stderr.isatty():
     os.environ.setdefault("TQDM_DISABLE", "1")
 
-from .errors import PipelineError
-from .source import ROOT
-
-COMMANDS = {}
-
-
-def command(name, help):
-    def deco(fn):
-        COMMANDS[name] = (fn, help)
-        return fn
-
-    return deco
+from . import api  # noqa: E402
+from .errors import GateRejected, PipelineError  # noqa: E402
+from .profile import parse_overrides  # noqa: E402
 
 
-def add_model_args(p):
-    p.add_argument("--model", default="moss-tts", help="model YAML under configs/models (default: the real moss-tts)")
-    p.add_argument("--model-path", help="local snapshot folder (overrides env and HF cache)")
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
 
 
-@command("fixture", "write a deterministic fixture checkpoint")
 def cmd_fixture(args):
     from .fixtures import write_any_fixture
     from .source import ARTIFACTS
 
-    out = Path(args.out) if args.out else ARTIFACTS / "fixtures" / args.name
-    print(write_any_fixture(args.name, out, seed=args.seed))
+    print(write_any_fixture(args.name, Path(args.out) if args.out else ARTIFACTS / "fixtures" / args.name, seed=args.seed))
 
 
-def _fixture_args(p):
-    p.add_argument("name", help="tiny | full-shape | codec-tiny")
-    p.add_argument("--out")
-    p.add_argument("--seed", type=int, default=0)
-
-
-@command("pin", "hash every file of a local snapshot into the model YAML")
 def cmd_pin(args):
     from .source import pin
 
     print(pin(args.model, Path(args.path)))
 
 
-def _pin_args(p):
-    p.add_argument("model")
-    p.add_argument("path")
-
-
-@command("plan", "print the resolved stage plan of a profile")
 def cmd_plan(args):
     import yaml
 
-    from .profile import load_profile
-
-    prof = load_profile(args.profile, args.model)
+    prof = api.plan(args.profile, args.model, parse_overrides(args.set))
     print(yaml.safe_dump(prof.resolved(), sort_keys=False).rstrip())
 
 
-def _plan_args(p):
-    p.add_argument("profile")
-    p.add_argument("--model", default=None, help="apply the profile's per-model overrides")
-
-
-def model_for(profile_name: str, model: str):
-    """The model spec a profile runs on: `MODEL=tiny PROFILE=codec-fp8` means tiny's companion codec."""
-    from .profile import load_profile
-    from .source import load_model_spec
-
-    spec = load_model_spec(model)
-    if spec.kind == "generator" and spec.codec and load_profile(profile_name, model).kind == "codec":
-        return load_model_spec(spec.codec)
-    return spec
-
-
-def build(profile_name: str, model: str, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
-    """Resolve, verify and run every stage; returns the RunContext (ctx.bundle is the folder)."""
-    return build_from(profile_name, model_for(profile_name, model), model_path, use_cache, cache_root, bundle_root)
-
-
-def build_from(profile: str | Path, spec, model_path=None, use_cache=True, cache_root=None, bundle_root=None):
-    from .profile import load_profile
-    from .source import resolve_path, verify
-    from .stages import RunContext, default_cache_root, resolve_device, run_stages
-
-    prof = load_profile(str(profile), spec.name)
-    if prof.kind != spec.kind:
-        raise PipelineError(f"profile {prof.name!r} is for {prof.kind} models, but model {spec.name!r} is a {spec.kind}")
-    path = resolve_path(spec, model_path)
-    verify(spec, path)
-    check_plan(prof, spec, path)  # everything refusable is refused before a stage runs
-    ctx = RunContext(spec=spec, snapshot=path, profile=prof, device=resolve_device("auto"),
-                     cache_root=Path(cache_root) if cache_root else default_cache_root())
-    ctx.bundle_root = Path(bundle_root) if bundle_root else None
-    return run_stages(ctx, use_cache=use_cache)
-
-
-def check_plan(prof, spec, path: Path) -> None:
-    """The source's config.json must hold what the model definition needs, and every group size in
-    the profile must divide the widths it will be applied to."""
-    from .checkpoint import Checkpoint
-
-    where = path / "config.json"
-    config = Checkpoint(path).config()
-    if spec.kind == "codec":
-        from .models.moss_audio_tokenizer import CodecConfig
-
-        CodecConfig.from_dict(config, where=str(where))
-        return
-    from .models.moss_tts_delay import MossTTSDelayConfig, block_linear_shapes
-
-    shapes = block_linear_shapes(MossTTSDelayConfig.from_dict(config, where=str(where)))
-    rel = prof.path.relative_to(ROOT) if prof.path.is_relative_to(ROOT) else prof.path
-    for stage, params in prof.stages.items():
-        for key_path, obj in ((f"stages.{stage}", params), (f"stages.{stage}", getattr(params, "config", None))):
-            g = getattr(obj, "group_size", None)
-            if not isinstance(g, int):
-                continue
-            for linear, (_, width) in shapes.items():
-                if width % g:
-                    raise PipelineError(f"{rel}: {key_path}.group_size: {g} does not divide the input width {width} of "
-                                        f"{linear} ({spec.name}'s config.json)")
-
-
-@command("quantize", "build a profile's bundle (prints `bundle: <path>` last)")
 def cmd_quantize(args):
-    from .errors import GateRejected
-
-    ctx = build(args.profile, args.model, args.model_path, use_cache=not args.no_cache)
+    ctx = api.build(args.profile, args.model, args.model_path, use_cache=not args.no_cache,
+                    overrides=parse_overrides(args.set))
     gate = ctx.results.get("gate", {})
     if gate.get("status") == "rejected":
         failed = [f"{c['metric']}={c['value']} (limit {c['op']} {c['threshold']})" for c in gate["checks"] if not c["passed"]]
-        print(f"{ctx.profile.name} on {ctx.spec.name}: rejected by the quality gate: {'; '.join(failed)}", file=sys.stderr)
+        _err(f"{ctx.profile.name} on {ctx.spec.name}: rejected by the quality gate: {'; '.join(failed)}")
         print(f"bundle: {ctx.bundle}")
         raise SystemExit(GateRejected.exit_code)
     print(f"bundle: {ctx.bundle}")
 
 
-def _quantize_args(p):
-    p.add_argument("profile")
-    add_model_args(p)
-    p.add_argument("--no-cache", action="store_true", help="ignore the stage cache")
-
-
-@command("load", "load a bundle through the project's loader and run one forward pass")
 def cmd_load(args):
     import torch
 
-    from .loader import load_bundle, read_manifest
+    from . import manifest
 
-    model = load_bundle(Path(args.bundle))
-    m = read_manifest(Path(args.bundle))
+    model = api.load(Path(args.bundle))
+    m = manifest.read(Path(args.bundle))
     n = sum(p.numel() for p in model.parameters())
     print(f"loaded {m['model']}/{m['profile']}/{m['version']} ({m['status']}): {n} parameters, "
           f"{m['bits_per_weight']['effective']} effective bits per weight")
     if hasattr(model, "config") and hasattr(model.config, "n_vq"):
-        ids = torch.zeros(1, 4, 1 + model.config.n_vq, dtype=torch.long)
         with torch.no_grad():
-            out = model(ids)
+            out = model(torch.zeros(1, 4, 1 + model.config.n_vq, dtype=torch.long))
         print(f"forward ok: {len(out)} heads, text logits {tuple(out[0].shape)}")
     elif hasattr(model, "decode"):  # codec: 4 frames of code 0 on every codebook
         q = model.config.quantizer
@@ -174,41 +73,147 @@ def cmd_load(args):
         print(f"decode ok: 4 frames -> {wav.shape[-1]} samples at {model.config.sampling_rate} Hz, {model.decoder_dtype}")
 
 
-def _load_args(p):
-    p.add_argument("bundle")
-
-
-@command("verify", "re-hash a bundle's files against its manifest")
 def cmd_verify(args):
-    from .bundle import verify_bundle
+    from . import manifest
 
-    m = verify_bundle(Path(args.bundle))
+    m = manifest.verify(Path(args.bundle))
     print(f"ok: {len(m['files'])} files match the manifest ({m['version']}, {m['status']})")
 
 
-def _verify_args(p):
-    p.add_argument("bundle")
+def _bundle_arg(args) -> Path:
+    return api.newest(*args.bundle.split("/", 1)) if args.newest else Path(args.bundle)
 
 
-ARGS = {"fixture": _fixture_args, "pin": _pin_args, "plan": _plan_args, "quantize": _quantize_args,
-        "load": _load_args, "verify": _verify_args}
+def cmd_push(args):
+    from .registry.client import open_registry, push
+
+    bundle = _bundle_arg(args)
+    reg = open_registry(args.registry)
+    r = push(reg, bundle, force=args.force)
+    print(f"pushed {bundle} to {reg.url} as {', '.join(r.tags)}: {r.digest} "
+          f"({len(r.uploaded)} blobs uploaded, {len(r.skipped)} already there)")
 
 
-def register(name, help, fn, add_args):
-    """Other modules (registry, rebuild, report) add their subcommands here."""
-    COMMANDS[name] = (fn, help)
-    ARGS[name] = add_args
+def cmd_pull(args):
+    from .registry.client import open_registry, pull, split_ref
+
+    url, ref = split_ref(args.ref)
+    digest = pull(open_registry(url), ref, Path(args.dir))
+    print(f"pulled {url}@{digest} into {args.dir} (every file verified)")
+
+
+def cmd_ls(args):
+    from .registry.client import list_tags, open_registry
+
+    for tag, digest in list_tags(open_registry(args.registry)).items():
+        print(f"{tag}\t{digest}")
+
+
+def cmd_rebuild(args):
+    import shutil
+    import tempfile
+
+    target = str(api.newest(args.model, args.profile)) if args.profile else args.target
+    if not target:
+        raise PipelineError("rebuild: give a bundle folder, a registry reference, or --profile/--model")
+    bundle, pulled = Path(target), None
+    if not bundle.is_dir():  # a registry reference: pull it first (every blob verified)
+        from .registry.client import open_registry, pull, split_ref
+
+        url, ref = split_ref(target)
+        pulled = Path(tempfile.mkdtemp(prefix="mossquant-pulled-"))
+        bundle = pulled / "bundle"
+        pull(open_registry(url), ref, bundle)
+        _err(f"pulled {target}")
+    try:
+        verdict, kept = api.rebuild(bundle, args.model_path, log=_err)
+    finally:
+        if pulled:
+            shutil.rmtree(pulled, ignore_errors=True)
+    print("\n".join(verdict.lines))
+    if kept:
+        _err(f"rebuilt copy kept at {kept}")
+    if verdict.exit_code:
+        raise SystemExit(verdict.exit_code)
+
+
+def cmd_report(args):
+    from .report import write_report
+
+    print(f"report: {write_report(args.model, Path(args.root) if args.root else None)}")
+
+
+def cmd_export_backbone(args):
+    from . import manifest
+    from .backbone_export import export_backbone
+
+    manifest.verify(Path(args.bundle))
+    print(f"backbone: {export_backbone(args.bundle, args.dest)}")
+
+
+def _model(p):
+    p.add_argument("--model", default="moss-tts", help="model YAML under configs/models (default: the real moss-tts)")
+    p.add_argument("--model-path", help="local snapshot folder (overrides the model YAML's path, the env and the HF cache)")
+
+
+def _set(p):
+    p.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="override one stage parameter (checked like the YAML), e.g. --set quantize.group_size=64")
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import cli_extensions  # noqa: F401  (registers optional subcommands)
+    from .registry.client import DEFAULT_URL
 
     p = argparse.ArgumentParser(prog="mossquant", description="Offline quantization pipeline for MOSS-TTS")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, (fn, help) in COMMANDS.items():
+
+    def add(name, fn, help, *args):
         sp = sub.add_parser(name, help=help)
-        ARGS[name](sp)
+        for a in args:
+            a(sp)
         sp.set_defaults(fn=fn)
+        return sp
+
+    sp = add("fixture", cmd_fixture, "write a deterministic fixture checkpoint")
+    sp.add_argument("name", help="tiny | full-shape | codec-tiny | codec-full-shape")
+    sp.add_argument("--out")
+    sp.add_argument("--seed", type=int, default=0)
+    sp = add("pin", cmd_pin, "hash every file of a local snapshot into the model YAML")
+    sp.add_argument("model")
+    sp.add_argument("path")
+    sp = add("plan", cmd_plan, "print the resolved stage plan of a profile", _set)
+    sp.add_argument("profile")
+    sp.add_argument("--model", default=None, help="apply the profile's per-model overrides")
+    sp = add("quantize", cmd_quantize, "build a profile's bundle (prints `bundle: <path>` last)", _model, _set)
+    sp.add_argument("profile")
+    sp.add_argument("--no-cache", action="store_true", help="ignore the stage cache")
+    add("load", cmd_load, "load a bundle through the project's loader and run one forward pass").add_argument("bundle")
+    add("verify", cmd_verify, "re-hash a bundle's files against its manifest").add_argument("bundle")
+    sp = add("push", cmd_push, "push a bundle as an OCI artifact (tags: version id, MODEL-PROFILE)")
+    sp.add_argument("bundle", help="bundle folder (or MODEL/PROFILE with --newest)")
+    sp.add_argument("registry", nargs="?", default=DEFAULT_URL,
+                    help=f"oci-layout:PATH or oci://HOST:PORT/REPO (default {DEFAULT_URL})")
+    sp.add_argument("--newest", action="store_true", help="BUNDLE is MODEL/PROFILE: push its newest bundle")
+    sp.add_argument("--force", action="store_true", help="push even if the quality gate rejected the bundle")
+    sp = add("pull", cmd_pull, "pull a bundle, verifying every blob, into a new folder")
+    sp.add_argument("ref", help="URL:TAG, URL@sha256:DIGEST, or a bare TAG in the default layout")
+    sp.add_argument("dir", help="destination folder (must not exist, or be empty)")
+    sp = add("ls", cmd_ls, "list a registry's tags and their manifest digests")
+    sp.add_argument("registry", nargs="?", default=DEFAULT_URL, help=f"registry URL (default {DEFAULT_URL})")
+    sp = add("rebuild", cmd_rebuild, "rebuild a bundle from its manifest and say what matches: identical (0), "
+             "differs (4), equivalent (5), determinism bug (6)")
+    sp.add_argument("target", nargs="?", help="bundle folder or registry reference (URL:TAG, URL@DIGEST, TAG)")
+    sp.add_argument("--profile", help="rebuild the newest bundle of this profile (with --model)")
+    sp.add_argument("--model", default="moss-tts")
+    sp.add_argument("--model-path", help="local snapshot of the pinned source")
+    sp = add("report", cmd_report, "write artifacts/MODEL/REPORT.md: every bundle's bits per weight, fidelity and "
+             "gate verdict, with plots")
+    sp.add_argument("model", help="model name: every bundle under artifacts/MODEL/<profile>/ (e.g. tiny, codec-tiny)")
+    sp.add_argument("--root", help="artifacts folder (default: $MOSSQUANT_ARTIFACTS or ./artifacts)")
+    sp = add("export-backbone", cmd_export_backbone, "write a bundle's Qwen3 backbone as a Qwen3ForCausalLM folder "
+             "(transformers-loadable)")
+    sp.add_argument("bundle", help="a generator bundle folder")
+    sp.add_argument("dest", help="new folder for the Qwen3ForCausalLM backbone")
     return p
 
 
@@ -217,14 +222,8 @@ def main(argv=None):
     try:
         args.fn(args)
     except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _err(f"error: {e}")
         raise SystemExit(e.exit_code)
     except KeyboardInterrupt:
-        print("error: interrupted; nothing partial was kept (re-run to resume from the stage cache)", file=sys.stderr)
+        _err("error: interrupted; nothing partial was kept (re-run to resume from the stage cache)")
         raise SystemExit(130)
-
-
-if __name__ == "__main__":  # `python -m pipelines.cli`: run the imported module, where extensions register
-    from pipelines.cli import main as _main
-
-    _main()

@@ -1,9 +1,11 @@
-"""Teacher-forced fidelity against the BF16 source, block by block.
+"""The evaluate stage for the generator: teacher-forced fidelity against the BF16 source.
 
-Both models run in lockstep over a held-out multi-channel set, one block of each resident at
-a time: per-block relative output error ||h_q - h_ref|| / ||h_ref|| (errors propagate, as
-in deployment), then per-head KL(ref || quant) and top-1 agreement. Audio heads are scored
-on the audio segment (where the text channel holds gen/delay slots), the text head everywhere.
+Both models run side by side through the engine over a held-out multi-channel set, one block of
+each resident at a time: per-block relative output error ||h_q - h_ref|| / ||h_ref|| (errors
+propagate, as in deployment), then per-head KL(ref || quant) and top-1 agreement. Audio heads
+are scored on the audio segment (where the text channel holds gen/delay slots), the text head
+everywhere. A baseline (RTN on each quantized tensor's own grid) is scored on the same set when
+the profile asks: one implementation and one manifest shape for every method.
 """
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from pathlib import Path
 
 import torch
 
-from . import blocks
+from quantizers.rtn import RTNConfig, fake_quantize
+
 from .calibration import UPSTREAM_IDS, build
+from .engine import FP, QUANT, Engine, final_norm, load_block
 from .models.moss_tts_delay import MossTTSDelayConfig
-from .progress import progress
+
+BASELINES = ("rtn",)
 
 
 @dataclass
@@ -24,6 +29,9 @@ class EvaluateParams:
     nsamples: int = 8
     seqlen: int = 256
     batch_size: int = 4
+    # Also score this baseline on the same set: "rtn" = round-to-nearest on each quantized
+    # tensor's own grid (bits, group size, symmetry), what a calibrated method must beat.
+    baseline: str | None = None
     scorers: list[str] = field(default_factory=list)  # optional "module:Class" plug-ins (pipelines/scorers.py)
 
     def validate(self):
@@ -31,6 +39,8 @@ class EvaluateParams:
 
         if self.nsamples < 1:
             raise ValueError(f"nsamples: must be >= 1, got {self.nsamples}")
+        if self.baseline is not None and self.baseline not in BASELINES:
+            raise ValueError(f"baseline: {self.baseline!r} (allowed: {', '.join(BASELINES)} or null)")
         for entry in self.scorers:
             check_entry(entry)
 
@@ -52,6 +62,21 @@ def audio_positions(config: dict, ids: torch.Tensor) -> torch.Tensor:
     return torch.isin(ids[..., 0], torch.tensor(slots))
 
 
+class _SideBySide:
+    """The candidate's block i on the quant stream beside the source's on the fp stream."""
+
+    streams, capture = (FP, QUANT), ()
+
+    def __init__(self, cfg, quant_get, dtype, device):
+        self.cfg, self.get, self.dtype, self.device = cfg, quant_get, dtype, device
+        self.block_err = []
+
+    def on_block(self, step):
+        q_out = step.run(load_block(self.cfg, step.index, self.get, self.dtype, self.device), step.quant_in)
+        self.block_err.append(((q_out.float() - step.fp_out.float()).norm() / step.fp_out.float().norm()).item())
+        return q_out
+
+
 @torch.no_grad()
 def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", batch_size=4,
             dtype=torch.bfloat16, on_logits=None) -> dict:
@@ -60,19 +85,15 @@ def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", b
     cfg = MossTTSDelayConfig.from_dict(config)
     audio_mask = audio_positions(config, ids).to(device)
     text_mask = torch.ones_like(audio_mask)
-    pos = blocks.rotary(cfg, ids.shape[1], dtype, device)
-    h_ref = blocks.embed(cfg, ref_get, ids, dtype, device)
-    h_q = blocks.embed(cfg, quant_get, ids, dtype, device)
-    block_err = []
-    for i in progress(range(cfg.num_layers), desc="evaluate", unit="block"):
-        h_ref = blocks.run_block(blocks.load_block(cfg, i, ref_get, dtype, device), h_ref, pos, batch_size)
-        h_q = blocks.run_block(blocks.load_block(cfg, i, quant_get, dtype, device), h_q, pos, batch_size)
-        block_err.append(((h_q.float() - h_ref.float()).norm() / h_ref.float().norm()).item())
+    engine = Engine(cfg, ref_get, device, dtype, batch_size, desc="evaluate")
+    side = _SideBySide(cfg, quant_get, dtype, device)
+    engine.run(side, ids, quant_get=quant_get)
+    h_ref, h_q = engine.last[FP].to(device), engine.last[QUANT].to(device)
     n_heads = cfg.n_vq + 1
     sums = torch.zeros(n_heads, 3, dtype=torch.float64)
     for s in range(0, ids.shape[0], batch_size):
-        fr = blocks.final_norm(cfg, ref_get, h_ref[s:s + batch_size])
-        fq = blocks.final_norm(cfg, quant_get, h_q[s:s + batch_size])
+        fr = final_norm(cfg, ref_get, h_ref[s:s + batch_size])
+        fq = final_norm(cfg, quant_get, h_q[s:s + batch_size])
         for k in range(n_heads):
             w_ref = ref_get(f"lm_heads.{k}.weight").to(device, dtype)
             w_q = quant_get(f"lm_heads.{k}.weight").to(device, dtype)
@@ -86,7 +107,7 @@ def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", b
             sums[k] += torch.tensor(_kl_top1(lr, lq, mask), dtype=torch.float64)
     kl = (sums[:, 0] / sums[:, 2].clamp(min=1)).tolist()
     top1 = (sums[:, 1] / sums[:, 2].clamp(min=1)).tolist()
-    r = lambda x: float(f"{x:.6g}")  # stable, readable figures in the manifest
+    r = lambda x: float(f"{x:.6g}")  # stable, readable figures in the manifest  # noqa: E731
     return {
         "kl_text": r(kl[0]),
         "top1_text": r(top1[0]),
@@ -96,21 +117,27 @@ def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", b
         "kl_audio_max": r(max(kl[1:])),
         "top1_audio_mean": r(sum(top1[1:]) / cfg.n_vq),
         "top1_audio_min": r(min(top1[1:])),
-        "block_rel_error": [r(x) for x in block_err],
-        "final_rel_error": r(block_err[-1]),
+        "block_rel_error": [r(x) for x in side.block_err],
+        "final_rel_error": r(side.block_err[-1]),
     }
 
 
-def run_evaluate(ctx, params: EvaluateParams, out: Path) -> dict:
-    from .loader import DequantizingView
-    from .methods import load_quant
+def rtn_getter(get, layout: dict):
+    """Source weights with every quantized tensor replaced by RTN on its own stored grid."""
+    grids = {name: RTNConfig(e["bits"], e["group_size"], e["sym"]) for name, e in layout.items()
+             if e["format"] in ("gptq", "awq")}
+    return lambda name: fake_quantize(get(name).float(), grids[name]) if name in grids else get(name)
+
+
+def run(ctx, params: EvaluateParams, out: Path) -> dict:
+    from .loader import stage_view
+    from .quantize import load
     from .scorers import GreedyTokens, load_scorers, run_scorers
     from .stages import resolve_device
 
     ckpt = ctx.checkpoint()
     config = ckpt.config()
-    tensors, meta = load_quant(ctx.dirs["quantize"])
-    view = DequantizingView(tensors.__getitem__, tensors.keys(), meta["quantization_config"])
+    view = stage_view(ctx.dirs["quantize"])
     scorers = load_scorers(params.scorers, f"{ctx.profile.path}: stages.evaluate.scorers")  # fail before the long part
     held = build(params.dataset, config, params.nsamples, params.seqlen, ctx.snapshot)
     device = resolve_device("auto")
@@ -120,4 +147,11 @@ def run_evaluate(ctx, params: EvaluateParams, out: Path) -> dict:
         context = {"modality": "generator-tokens", "ids": held.ids, "audio_mask": audio_positions(config, held.ids),
                    "config": config, "codec_model": ctx.spec.codec}
         metrics.update(run_scorers(scorers, tokens.reference, tokens.candidate, context))
-    return {"dataset": {"name": held.name, "sha256": held.sha256}, "metrics": metrics}
+    result = {"dataset": {"name": held.name, "sha256": held.sha256}, "metrics": metrics}
+    if params.baseline == "rtn":
+        _, meta = load(ctx.dirs["quantize"])
+        result["baseline"] = {
+            "method": "rtn", "what": "round-to-nearest on each quantized tensor's own grid (bits, group size, symmetry)",
+            "metrics": compare(config, ckpt.get, rtn_getter(ckpt.get, meta["layout"]), held.ids, device=device,
+                               batch_size=params.batch_size)}
+    return result

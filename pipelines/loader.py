@@ -1,88 +1,107 @@
-"""Turn stored (packed) tensors back into source-named weights, and bundles into modules.
+"""Stored (packed) tensors back as source-named weights, and bundles as runnable modules.
 
-Works from `config.json`'s `quantization_config` alone, as ecosystem loaders do:
-auto-round (GPTQ packing, per-layer `extra_config`), AWQ GEMM, compressed-tensors FP8.
+Works from the `quantization_config` alone, as ecosystem loaders do: the format module it names
+(quantizers/formats) reads each Linear's parts and grid back and dequantizes it.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from quantizers.packing import unpack_awq, unpack_gptq
+from quantizers.errors import QuantizerError
+from quantizers.formats import for_config, stored
 
+from . import manifest
 from .checkpoint import Checkpoint
 from .errors import PipelineError
+from .models import moss_audio_tokenizer as codec_model
 from .models.moss_tts_delay import MossTTSDelay, MossTTSDelayConfig, build_empty, load_state
-
-PACKED_PARTS = ("qweight", "qzeros", "scales")
 
 
 class DequantizingView:
-    """A getter over stored tensors that returns source-named, dequantized weights."""
+    """A getter over stored tensors that returns source-named weights, dequantized (float32)."""
 
-    def __init__(self, get, keys, quantization_config: dict | None):
-        self._get = get
+    def __init__(self, get, keys, quantization_config: dict | None, where: str = "bundle"):
+        self._get, self.where = get, where
         self.qc = quantization_config or {}
-        self.method = self.qc.get("quant_method")
+        try:
+            self.fmt = for_config(self.qc)
+        except QuantizerError as e:
+            raise PipelineError(f"{where}: {e}") from None
         keys = set(keys)
-        self.packed = {k[: -len(".qweight")] for k in keys if k.endswith(".qweight")}
-        self.fp8 = {k[: -len(".weight_scale")] for k in keys if k.endswith(".weight_scale")}
-        self.plain = {k for k in keys if not k.endswith(tuple("." + p for p in PACKED_PARTS + ("weight_scale",)))}
-        self.plain -= {m + ".weight" for m in self.fp8}
+        marker = f".{self.fmt.MARKER}" if self.fmt else None
+        self.packed = {k[: -len(marker)] for k in keys if k.endswith(marker)} if marker else set()
+        parts = {f"{m}.{p}" for m in self.packed for p in self.fmt.PARTS} if self.fmt else set()
+        self.plain = keys - parts
 
     def names(self) -> list[str]:
-        return sorted(self.plain | {m + ".weight" for m in self.packed | self.fp8})
+        return sorted(self.plain | {m + ".weight" for m in self.packed})
 
-    def _unpack(self, module: str):
-        parts = {p: self._get(f"{module}.{p}") for p in PACKED_PARTS}
-        if self.method == "awq":
-            return unpack_awq(parts, self.qc["group_size"])
-        if self.method == "auto-round":
-            layer = (self.qc.get("extra_config") or {}).get(module, {})
-            return unpack_gptq(parts, layer.get("bits", self.qc["bits"]), layer.get("group_size", self.qc["group_size"]))
-        raise PipelineError(f"tensor {module}.qweight: unsupported quant_method {self.method!r}")
+    def packed_weight(self, module: str):
+        try:
+            return stored(self.fmt, module, self._get, self.qc)
+        except (QuantizerError, KeyError) as e:
+            raise PipelineError(f"{self.where}: tensor {module}: {e}") from None
 
     def __call__(self, name: str) -> torch.Tensor:
         module = name.removesuffix(".weight")
         if module in self.packed:
-            return self._unpack(module).dequantize(torch.float32)
-        if module in self.fp8:
-            from quantizers.fp8 import dequantize_fp8
-
-            return dequantize_fp8(self._get(name), self._get(module + ".weight_scale"))
-        return self._get(name)
+            try:
+                return self.packed_weight(module).dequantize(torch.float32)
+            except QuantizerError as e:
+                raise PipelineError(f"{self.where}: {e}") from None
+        if name not in self.plain:
+            raise PipelineError(f"{self.where}: tensor {name} missing")
+        t = self._get(name)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # codes without their scale are not a weight
+            raise PipelineError(f"{self.where}: tensor {name} is float8 but {name}_scale is missing")
+        return t
 
     def codes(self, name: str) -> torch.Tensor | None:
         """The stored integer codes of a quantized weight (FP8: its bit patterns); None if unquantized."""
         module = name.removesuffix(".weight")
-        if module in self.packed:
-            return self._unpack(module).q
-        if module in self.fp8:
-            return self._get(name).view(torch.uint8)
-        return None
+        return self.packed_weight(module).codes() if module in self.packed else None
 
 
 def bundle_view(path: Path) -> tuple[DequantizingView, dict]:
-    path = Path(path)
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(Path(path))
     config = ckpt.config()
-    return DequantizingView(lambda n: ckpt.get(n, check_finite=False), ckpt.keys(), config.get("quantization_config")), config
+    return (DequantizingView(ckpt.get, ckpt.keys(), config.get("quantization_config"),
+                             str(path)), config)
 
 
-def load_bundle(path: Path, dtype=torch.bfloat16, device="cpu", verify: bool = True) -> MossTTSDelay:
-    """A bundle folder -> runnable (dequantized) generator module."""
+def stage_view(folder: Path) -> DequantizingView:
+    """The quantize stage's output (pipelines/quantize.py) as a view."""
+    from .quantize import load
+
+    tensors, meta = load(folder)
+    return DequantizingView(tensors.__getitem__, tensors.keys(), meta["quantization_config"], "quantize stage")
+
+
+def codec_decoder(cfg, view: DequantizingView, dtype=torch.bfloat16, where: str = "bundle"):
+    """The decode-only codec from a view: refuses tensors that are not part of it."""
+    model = codec_model.build_empty(cfg, decode_only=True)
+    extra = sorted(set(view.names()) - {n for n, _ in model.named_parameters()})
+    if extra:
+        raise PipelineError(f"{where}: unexpected tensor {extra[0]} (not part of the decode-only codec)")
+    return codec_model.load_state(model, view, dtype=dtype, where=where)
+
+
+def load_bundle(path: Path, dtype=torch.bfloat16, device="cpu", verify: bool = True):
+    """A bundle folder -> a runnable module: the generator (dequantized), or the decode-only codec."""
+    path = Path(path)
     if verify:
-        from .bundle import verify_bundle
-
-        verify_bundle(path)
+        manifest.verify(path)
     view, config = bundle_view(path)
     if config.get("model_type") != "moss_tts_delay":
-        from .codec import load_codec_bundle  # the codec has its own module tree
-
-        return load_codec_bundle(path, dtype=dtype)
-    cfg = MossTTSDelayConfig.from_dict({k: v for k, v in config.items() if k != "quantization_config"})
+        if view.fmt is not None and view.fmt.NAME != "fp8":
+            raise PipelineError(f"{path / 'config.json'}: quantization_config.quant_method is "
+                                f"{view.qc.get('quant_method')!r}, expected 'compressed-tensors'")
+        cfg = codec_model.CodecConfig.from_dict(config, where=str(path / "config.json"))
+        return codec_decoder(cfg, view, dtype=dtype, where=str(path))
+    cfg = MossTTSDelayConfig.from_dict({k: v for k, v in config.items() if k != "quantization_config"},
+                                       where=str(path / "config.json"))
     try:
         return load_state(build_empty(cfg), view, dtype=dtype, device=device)
     except ValueError as e:
@@ -91,15 +110,5 @@ def load_bundle(path: Path, dtype=torch.bfloat16, device="cpu", verify: bool = T
 
 def load_source(path: Path, dtype=torch.bfloat16, device="cpu") -> MossTTSDelay:
     ckpt = Checkpoint(path)
-    cfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    cfg = MossTTSDelayConfig.from_dict(ckpt.config(), where=str(Path(path) / "config.json"))
     return load_state(build_empty(cfg), ckpt.get, dtype=dtype, device=device)
-
-
-def read_manifest(path: Path) -> dict:
-    f = Path(path) / "manifest.json"
-    try:
-        return json.loads(f.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{f}: missing (not a moss-quant bundle)") from None
-    except ValueError as e:
-        raise PipelineError(f"{f}: invalid JSON ({e})") from None

@@ -69,6 +69,21 @@ def _flat(params) -> dict:
     return d
 
 
+def parse_overrides(pairs: list[str]) -> dict:
+    """`--set stage.key=value` (value as YAML: 64, true, null, [2, 3]) -> {stage: {key: value}}."""
+    out: dict = {}
+    for pair in pairs:
+        target, eq, value = pair.partition("=")
+        stage, dot, key = target.partition(".")
+        if not eq or not dot or not stage or not key:
+            raise PipelineError(f"--set {pair!r}: expected STAGE.KEY=VALUE (e.g. quantize.group_size=64)")
+        try:
+            out.setdefault(stage, {})[key] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise PipelineError(f"--set {pair!r}: the value is not valid YAML ({' '.join(str(e).split())})") from None
+    return out
+
+
 def _type_ok(value, tp) -> bool:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -124,9 +139,10 @@ def known_profiles() -> list[str]:
     return sorted(p.stem for p in (CONFIGS / "profiles").glob("*.yaml"))
 
 
-def load_profile(name_or_path: str, model: str | None = None) -> Profile:
-    """Load and validate a profile; `models: {<model>: {<stage>: {...}}}` overrides per model."""
-    from .stages import STAGES  # the stage registry defines each stage's params
+def load_profile(name_or_path: str, stage_table: dict, model: str | None = None, overrides: dict | None = None) -> Profile:
+    """Load and validate a profile against `stage_table` (pipelines/pipeline.py's stage_table, which
+    defines each stage's params); `models: {<model>: {<stage>: {...}}}` overrides per model, and
+    `overrides` ({stage: {key: value}}, from `--set`) go on top, checked by the same schema."""
 
     path = Path(name_or_path) if name_or_path.endswith(".yaml") else profile_path(name_or_path)
     if not path.exists():
@@ -151,26 +167,34 @@ def load_profile(name_or_path: str, model: str | None = None) -> Profile:
     if not isinstance(stages_raw, dict) or not stages_raw:
         raise PipelineError(f"{rel}: 'stages' must be a non-empty mapping of stage name -> parameters")
     for stage in stages_raw:  # a misspelled stage is named before any override is checked against it
-        if stage not in STAGES:
-            close = difflib.get_close_matches(stage, list(STAGES), n=1)
+        if stage not in stage_table:
+            close = difflib.get_close_matches(stage, list(stage_table), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise PipelineError(f"{rel}: stages.{stage}: unknown stage ({hint}allowed: {', '.join(STAGES)})")
-    overrides = (data.get("models") or {}).get(model) or {}
-    if not isinstance(overrides, dict):
+            raise PipelineError(f"{rel}: stages.{stage}: unknown stage ({hint}allowed: {', '.join(stage_table)})")
+    model_overrides = (data.get("models") or {}).get(model) or {}
+    if not isinstance(model_overrides, dict):
         raise PipelineError(f"{rel}: models.{model} must be a mapping of stage -> parameters")
-    for stage in overrides:
+    for stage in model_overrides:
         if stage not in stages_raw:
             raise PipelineError(f"{rel}: models.{model}.{stage} overrides a stage the profile does not have")
-    stages, seen = {}, []
+    for stage in overrides or {}:
+        if stage not in stages_raw:
+            raise PipelineError(f"--set {stage}.…: the profile {rel} has no stage {stage!r} "
+                                f"(its stages: {', '.join(stages_raw)})")
+    built, seen = {}, []
     for stage, params in stages_raw.items():
-        spec = STAGES[stage]
-        merged = {**(params or {}), **(overrides.get(stage) or {})}
+        spec = stage_table[stage]
+        merged = {**(params or {}), **(model_overrides.get(stage) or {}), **((overrides or {}).get(stage) or {})}
         where = f"{rel}: stages.{stage}"
-        stages[stage] = spec.parse(merged, where) if spec.parse else build_params(spec.params, merged, where)
+        cls = spec.params_for(kind)
+        built[stage] = spec.parse(merged, where) if spec.parse else build_params(cls, merged, where)
         for need in spec.needs:
             if need not in seen:
                 raise PipelineError(f"{rel}: stage {stage!r} needs {need!r} before it")
+        for read in spec.reads:
+            if read in stages_raw and read not in seen:
+                raise PipelineError(f"{rel}: stage {stage!r} reads {read!r}, which must come before it")
         seen.append(stage)
     rebuild = build_params(RebuildTolerance, data.get("rebuild"), f"{rel}: rebuild")
-    return Profile(name=data.get("name", path.stem), kind=kind, seed=seed, stages=stages,
+    return Profile(name=data.get("name", path.stem), kind=kind, seed=seed, stages=built,
                    description=data.get("description", ""), rebuild=rebuild, path=path, raw=data)

@@ -1,6 +1,5 @@
-"""`mossquant rebuild BUNDLE_OR_REF`: rebuild a bundle from its pins and recipe and say what that proves.
-
-The rebuild runs in a scratch folder with no stage cache, then one of four verdicts:
+"""What a rebuild proves: the comparison of a bundle with its rebuild (`api.rebuild` makes the
+rebuild in a scratch folder with no stage cache; this module judges it). One of four verdicts:
 
 - `identical` (exit 0): every payload file (what a runtime loads: weights, config.json,
   recipe.yaml, measurement.json) has the recorded bytes. Evaluation outputs (`report/`: decoded
@@ -12,18 +11,14 @@ The rebuild runs in a scratch folder with no stage cache, then one of four verdi
   difference|, and the rebuilt bundle's evaluation figures against the original's, judged by
   the tolerances in the recipe's `rebuild:` section: `equivalent` (exit 5) or `differs` (exit 4).
 
-The scratch build is removed afterwards, except when it differs (kept and named, to inspect).
 """
 from __future__ import annotations
 
 import math
-import shutil
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import PipelineError
+from . import manifest
 
 IDENTICAL, EQUIVALENT, DIFFERS, NONDETERMINISTIC = "identical", "equivalent", "differs", "nondeterministic"
 EXIT = {IDENTICAL: 0, DIFFERS: 4, EQUIVALENT: 5, NONDETERMINISTIC: 6}
@@ -49,12 +44,6 @@ class Verdict:
     @property
     def exit_code(self) -> int:
         return EXIT[self.verdict]
-
-
-def _manifest(path: Path) -> dict:
-    from .loader import read_manifest
-
-    return read_manifest(path)
 
 
 EVALUATION_OUTPUTS = "report/"  # decoded WAVs etc.: products of the evaluation, judged like its figures
@@ -134,7 +123,7 @@ def judge(original: Path, rebuilt: Path) -> Verdict:
     from .environment import differences
     from .profile import RebuildTolerance, build_params
 
-    a, b = _manifest(original), _manifest(rebuilt)
+    a, b = manifest.read(original), manifest.read(rebuilt)
     files, outputs = payload_diffs(a, b)
     env = differences(a.get("environment") or {}, b.get("environment") or {})
     if a.get("code_version") != b.get("code_version"):
@@ -211,76 +200,3 @@ def _recipe_tolerance(bundle: Path) -> dict:
 
 def _tensor_line(t: TensorDiff) -> str:
     return f"{t.name:<56} {t.kind:>6} {100 * t.mismatch:>9.3f}% {t.max_abs_diff:>15.6g}"
-
-
-def rebuild(bundle: Path, model_path=None, scratch: Path | None = None, log=print, keep: bool = False) -> tuple[Verdict, Path | None]:
-    """Rebuild `bundle` in `scratch` (a new temporary folder by default) and judge it. Returns the
-    verdict and the rebuilt bundle when it is kept (`keep`, or it differs); otherwise the
-    scratch folder is gone when this returns, whatever happened."""
-    from .bundle import verify_bundle
-    from .cli import build_from
-    from .environment import differences, fingerprint
-    from .source import load_model_spec
-
-    manifest = verify_bundle(bundle)
-    spec = load_model_spec(manifest["model"])
-    pins = manifest["source"]
-    spec.repo, spec.revision, spec.files = pins["repo"], pins["revision"], pins["files"]  # the recorded pins
-    recorded = manifest.get("environment") or {}
-    for line in differences(recorded, fingerprint(recorded.get("device", "cpu"))):
-        log(f"environment differs: {line}")
-    scratch = Path(scratch) if scratch else Path(tempfile.mkdtemp(prefix="mossquant-rebuild-"))
-    kept = None
-    try:
-        ctx = build_from(bundle / "recipe.yaml", spec, model_path, use_cache=False,
-                         cache_root=scratch / "cache", bundle_root=scratch / "bundle")
-        verdict = judge(bundle, ctx.bundle)
-        if keep or verdict.verdict in (DIFFERS, NONDETERMINISTIC):
-            kept = ctx.bundle
-        return verdict, kept
-    finally:
-        shutil.rmtree(scratch / "cache", ignore_errors=True)
-        if kept is None:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
-def cmd_rebuild(args):
-    from .registry.commands import newest_bundle
-
-    target = args.target
-    if args.profile:
-        target = str(newest_bundle(f"{args.model}/{args.profile}"))
-    if not target:
-        raise PipelineError("rebuild: give a bundle folder, a registry reference, or --profile/--model")
-    bundle, pulled = Path(target), None
-    if not bundle.is_dir():  # a registry reference: pull it first (every blob verified)
-        from .registry import open_registry, pull, split_ref
-
-        url, ref = split_ref(target)
-        pulled = Path(tempfile.mkdtemp(prefix="mossquant-pulled-"))
-        bundle = pulled / "bundle"
-        pull(open_registry(url), ref, bundle)
-        print(f"pulled {target}", file=sys.stderr)
-    try:
-        verdict, kept = rebuild(bundle, args.model_path, log=lambda m: print(m, file=sys.stderr))
-    finally:
-        if pulled:
-            shutil.rmtree(pulled, ignore_errors=True)
-    print("\n".join(verdict.lines))
-    if kept:
-        print(f"rebuilt copy kept at {kept}", file=sys.stderr)
-    if verdict.exit_code:
-        raise SystemExit(verdict.exit_code)
-
-
-def _args(p):
-    p.add_argument("target", nargs="?", help="bundle folder or registry reference (URL:TAG, URL@DIGEST, TAG)")
-    p.add_argument("--profile", help="rebuild the newest bundle of this profile (with --model)")
-    p.add_argument("--model", default="moss-tts")
-    p.add_argument("--model-path", help="local snapshot of the pinned source")
-
-
-from .cli import register  # noqa: E402
-
-register("rebuild", "rebuild a bundle from its manifest and say what matches: identical (0), differs (4), "
-         "equivalent (5), determinism bug (6)", cmd_rebuild, _args)

@@ -46,11 +46,13 @@ class Entry:
 
     @property
     def metrics(self) -> dict:
-        return (self.manifest.get("evaluation") or {}).get("metrics") or {}
+        """The generator's teacher-forced figures."""
+        return (self.manifest.get("evaluation") or {}).get("metrics") or {} if self.manifest.get("kind") != "codec" else {}
 
     @property
     def codec(self) -> dict:
-        return (self.manifest.get("validation") or {}).get("metrics") or {}
+        """The codec's decode-parity figures."""
+        return (self.manifest.get("evaluation") or {}).get("metrics") or {} if self.manifest.get("kind") == "codec" else {}
 
     @property
     def failed(self) -> list[dict]:
@@ -69,23 +71,21 @@ class Entry:
 
 def collect(model: str, root: Path) -> list[Entry]:
     """The newest bundle of every profile of `model` under root/<model>/<profile>/v1-*/."""
-    from .bundle import SCHEMA, bundles_of
-    from .loader import read_manifest
+    from . import manifest
 
     folder = Path(root) / model
     profiles = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) if folder.is_dir() else []
     entries = []
     for profile in progress(profiles, desc="report: manifests", unit="bundle"):
-        found = bundles_of(model, profile, root)
-        if not found:
+        newest = manifest.newest(folder / profile)
+        if newest is None:
             continue
-        m = read_manifest(found[-1])
-        where = found[-1] / "manifest.json"
+        m = manifest.read(newest)
+        found = [newest]
+        where = newest / "manifest.json"
         for key in REQUIRED:
             if key not in m:
-                raise PipelineError(f"{where}: key {key!r} missing (expected a {SCHEMA} manifest)")
-        if m["schema"] != SCHEMA:
-            raise PipelineError(f"{where}: schema {m['schema']!r}, expected {SCHEMA!r}")
+                raise PipelineError(f"{where}: key {key!r} missing (expected a {manifest.SCHEMA} manifest)")
         if m["model"] != model or m["profile"] != profile:
             raise PipelineError(f"{where}: manifest says {m['model']}/{m['profile']}, found under {model}/{profile}/")
         for key in ("effective", "components", "header_bits", "source_params"):
@@ -178,11 +178,10 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
         base = [e for e in gen if rtn_baseline(e)]
         if base:
             lines += ["### Against plain RTN on the same grid", "",
-                      "Methods that record `method_details.baseline_rtn` (RTN at the bundle's bits and group size, "
-                      "scored by the method on the held-out set named in the second column) beside the bundle's own "
-                      "figures from the evaluate stage.", ""]
+                      "Profiles whose evaluate stage scores a baseline (`baseline: rtn`: round-to-nearest on each "
+                      "quantized tensor's own grid, on the same held-out set) beside the bundle's own figures.", ""]
             keys = ("kl_audio_mean", "top1_audio_mean", "kl_text")
-            rows = [[e.profile, _baseline_set(e)] + [x for k in keys for x in (e.metrics.get(k), rtn_baseline(e).get(k))]
+            rows = [[e.profile, held_out(e)] + [x for k in keys for x in (e.metrics.get(k), rtn_baseline(e).get(k))]
                     for e in base]
             lines += table(["profile", "RTN scored on", *(f"{k} ({w})" for k in keys for w in ("bundle", "rtn"))], rows)
     cod = [e for e in entries if e.codec]
@@ -192,7 +191,7 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
                   "sequence's SNR, PCM mean / relative mean / max absolute difference, and the log-mel spectral "
                   "distance (dB, worst sequence). `baseline_snr_db`: the source weights cast to the bundle's compute "
                   "dtype with no quantization (the compute-only floor).", ""]
-        rows = [[e.profile, ((e.manifest.get("validation") or {}).get("dataset") or {}).get("name")]
+        rows = [[e.profile, ((e.manifest.get("evaluation") or {}).get("dataset") or {}).get("name")]
                 + [e.codec.get(k) for k in CODEC_METRICS] + [_baseline(e).get("snr_db")] for e in cod]
         lines += table(["profile", "validation set", *CODEC_METRICS, "baseline_snr_db"], rows)
         lines += _images(plots, ["codec_bpw_vs_fidelity", "sequence_snr"])
@@ -214,20 +213,12 @@ def _images(plots: dict[str, str], names: list[str]) -> list[str]:
 
 
 def rtn_baseline(e: Entry) -> dict:
-    """RTN-on-the-same-grid figures a method recorded (awq: inline, autoround: under `metrics`)."""
-    b = (e.manifest.get("method_details") or {}).get("baseline_rtn") or {}
-    m = b.get("metrics", b) if isinstance(b, dict) else {}
-    return m if isinstance(m, dict) and "kl_audio_mean" in m else {}
-
-
-def _baseline_set(e: Entry) -> str | None:
-    details = e.manifest.get("method_details") or {}
-    d = details.get("heldout") or details.get("fidelity_dataset") or {}
-    return f"{d.get('name')} ({d['nsamples']}×{d['seqlen']})" if "nsamples" in d and "seqlen" in d else d.get("name")
+    """The evaluate stage's baseline figures (RTN on the bundle's own grid), when it scored one."""
+    return ((e.manifest.get("evaluation") or {}).get("baseline") or {}).get("metrics") or {}
 
 
 def _baseline(e: Entry) -> dict:
-    return ((e.manifest.get("validation") or {}).get("unquantized_baseline") or {}).get("metrics") or {}
+    return ((e.manifest.get("evaluation") or {}).get("unquantized_baseline") or {}).get("metrics") or {}
 
 
 def _companion_codec(model: str) -> str | None:
@@ -339,7 +330,7 @@ def plot_per_codebook(fig, entries, colors):
 def plot_sequence_snr(fig, entries, colors):
     ax = fig.subplots()
     for e in entries:
-        per = (e.manifest.get("validation") or {}).get("per_sequence") or {}
+        per = (e.manifest.get("evaluation") or {}).get("per_sequence") or {}
         names = sorted(per)
         ax.plot(names, [per[n].get("snr_db") for n in names], marker="o", color=colors[e.profile], label=e.profile)
     ax.set_xlabel("validation sequence")
@@ -419,23 +410,3 @@ def write_report(model: str, root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder / REPORT
-
-
-def cmd_report(args):
-    path = write_report(args.model, Path(args.root) if args.root else None)
-    print(f"report: {path}")
-
-
-def _report_args(p):
-    p.add_argument("model", help="model name: every bundle under artifacts/MODEL/<profile>/ (e.g. tiny, codec-tiny)")
-    p.add_argument("--root", help="artifacts folder (default: $MOSSQUANT_ARTIFACTS or ./artifacts)")
-
-
-def _register():
-    from .cli import register
-
-    register("report", "write artifacts/MODEL/REPORT.md: every bundle's bits per weight, fidelity and gate verdict, with plots",
-             cmd_report, _report_args)
-
-
-_register()

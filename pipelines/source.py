@@ -1,7 +1,7 @@
 """Pinned sources: a model YAML names repo, revision and the sha256 of every file.
 
 Resolution order for the local snapshot: an explicit path, `$MOSSQUANT_MODEL_PATH_<NAME>`
-(NAME upper-cased, '-' -> '_'), the Hugging Face cache layout
+(NAME upper-cased, '-' -> '_'), the model YAML's optional `path:`, the Hugging Face cache layout
 (`$HF_HUB_CACHE` or `$HF_HOME/hub` or `~/.cache/huggingface/hub`, `models--org--name/snapshots/<revision>`),
 and for built-in fixtures `artifacts/fixtures/<name>` (built on demand). Every pinned file is
 hashed (streamed) before use; nothing is ever downloaded.
@@ -20,7 +20,7 @@ from .errors import PipelineError
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 ARTIFACTS = Path(os.environ.get("MOSSQUANT_ARTIFACTS", ROOT / "artifacts"))
-MODEL_KEYS = {"name", "kind", "repo", "revision", "fixture", "files", "description", "codec"}
+MODEL_KEYS = {"name", "kind", "repo", "revision", "fixture", "files", "description", "codec", "path"}
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ModelSpec:
     fixture: str | None = None
     description: str = ""
     codec: str | None = None  # a generator's companion codec model (for codec profiles)
+    path: str | None = None  # optional local snapshot folder (absolute, or relative to the YAML's folder)
     yaml_path: Path | None = None
 
     def pins(self) -> dict:
@@ -65,12 +66,14 @@ def load_model_spec(name: str) -> ModelSpec:
             raise PipelineError(f"{path}: key {key!r} must be a string")
     if data["kind"] not in ("generator", "codec"):
         raise PipelineError(f"{path}: kind must be 'generator' or 'codec', got {data['kind']!r}")
+    if data.get("path") is not None and not isinstance(data["path"], str):
+        raise PipelineError(f"{path}: key 'path' must be a string (a local snapshot folder)")
     files = data.get("files") or {}
     if not isinstance(files, dict) or not all(isinstance(v, str) and len(v) == 64 for v in files.values()):
         raise PipelineError(f"{path}: files must map file names to 64-hex sha256 strings")
     return ModelSpec(name=data.get("name", name), kind=data["kind"], repo=data["repo"], revision=data["revision"],
                      files=files, fixture=data.get("fixture"), description=data.get("description", ""), codec=data.get("codec"),
-                     yaml_path=path)
+                     path=data.get("path"), yaml_path=path)
 
 
 def _hf_cache_candidates(spec: ModelSpec) -> list[Path]:
@@ -103,6 +106,12 @@ def resolve_path(spec: ModelSpec, explicit: str | Path | None = None) -> Path:
     if os.environ.get(env_var(spec.name)):
         return Path(os.environ[env_var(spec.name)])
     looked.append(f"${env_var(spec.name)}")
+    if spec.path:
+        local = Path(spec.path).expanduser()
+        local = local if local.is_absolute() else (spec.yaml_path.parent if spec.yaml_path else CONFIGS / "models") / local
+        if local.is_dir():
+            return local
+        looked.append(f"{local} (the YAML's path)")
     for cand in _hf_cache_candidates(spec):
         if cand.is_dir():
             return cand

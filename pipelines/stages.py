@@ -1,16 +1,19 @@
-"""Stage registry, runner and the content-addressed stage cache (DVC-style).
+"""The stage runner and its content-addressed cache (DVC-style). It imports no stage: the stage
+table is data handed to it (pipelines/pipeline.py).
 
-A stage's cache key hashes its resolved parameters, the keys of the stages it needs, the
-source pins, the profile seed and the code version (every .py of pipelines/ and quantizers/
-plus the versions of the numeric libraries). A finished stage lives in
-`artifacts/.cache/<stage>/<key>/` (written to a temporary folder, renamed when complete), so
-a re-run skips it and an interrupted run resumes at the first unfinished stage.
+A stage declares what it reads (`needs`: stages that must run before it; `reads`: stages whose
+output it uses when the profile has them) and its params. Its cache key hashes only what can
+change its output: its resolved params, the keys of the stages it reads, the source pins, the
+seed, the device kind, and the code it runs (its module's import closure in pipelines/ and
+quantizers/, with the numeric libraries' versions). Editing the report does not invalidate a
+cached 36-block quantize stage. A finished stage lives in `artifacts/.cache/<stage>/<key>/`,
+written to a temporary folder and renamed, so a re-run skips it and an interrupted run resumes at
+the first unfinished stage.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -22,35 +25,26 @@ from .atomic import atomic_folder
 from .checkpoint import canonical_json
 from .environment import fingerprint, library_versions
 from .errors import PipelineError
+from .import_graph import closure, code_digest, module_graph
 from .source import ARTIFACTS, ROOT, ModelSpec, pins_digest
+
+ENVIRONMENT = "environment.json"
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    params: type | None  # params dataclass (None when `parse` builds them)
-    run: str  # "module:function" resolved lazily: run(ctx, params, out_dir) -> dict
-    needs: tuple[str, ...] = ()
-    parse: Callable | None = None  # custom parser(data, where) for stages with sub-schemas
+    run: Callable | dict  # run(ctx, params, out_dir) -> result dict, or {model kind: run}
+    params: type | dict | None = None  # params dataclass, or {model kind: dataclass}; None when `parse` builds them
+    parse: Callable | None = None  # parser(data, where) for stages with sub-schemas (quantize: the method's config)
+    needs: tuple[str, ...] = ()  # stages that must come before it
+    reads: tuple[str, ...] = ()  # stages whose output it uses when the profile has them
     cached: bool = True
 
+    def params_for(self, kind: str):
+        return self.params.get(kind) if isinstance(self.params, dict) else self.params
 
-def _parse_quantize(data, where):
-    from .methods import parse_quantize
-
-    return parse_quantize(data, where)
-
-
-def _p(path: str):
-    mod, name = path.split(":")
-    return getattr(importlib.import_module(f"pipelines.{mod}"), name)
-
-
-# Stage name -> spec. Profiles list a subset of these, in order.
-STAGES: dict[str, StageSpec] = {}
-
-
-def register(name: str, spec: StageSpec) -> None:
-    STAGES[name] = spec
+    def run_for(self, kind: str) -> Callable:
+        return self.run[kind] if isinstance(self.run, dict) else self.run
 
 
 @dataclass
@@ -58,6 +52,7 @@ class RunContext:
     spec: ModelSpec
     snapshot: Path
     profile: object
+    definition: object  # the architecture definition (pipelines/models)
     device: str
     cache_root: Path
     results: dict[str, dict] = field(default_factory=dict)  # stage -> result.json
@@ -65,6 +60,8 @@ class RunContext:
     keys: dict[str, str] = field(default_factory=dict)  # stage -> cache key
     stats: dict[str, dict] = field(default_factory=dict)  # stage -> wall time and memory peaks (benchmarks)
     environments: dict[str, dict] = field(default_factory=dict)  # stage -> the fingerprint it ran under
+    bundle_root: Path | None = None
+    bundle: Path | None = None
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
     @property
@@ -80,24 +77,36 @@ class RunContext:
 
 
 @lru_cache(maxsize=1)
-def code_version() -> str:
-    h = hashlib.sha256()
-    for pkg in ("pipelines", "quantizers"):
-        for p in sorted((ROOT / pkg).rglob("*.py")):
-            h.update(str(p.relative_to(ROOT)).encode() + b"\0" + p.read_bytes())
+def _graph():
+    return module_graph(ROOT)
+
+
+@lru_cache(maxsize=None)
+def stage_code(module: str) -> str:
+    """The code a stage runs: its module's import closure, and the numeric libraries' versions."""
+    h = hashlib.sha256(code_digest(ROOT, sorted(closure(_graph(), module))).encode())
     h.update(canonical_json(library_versions()).encode())
     return h.hexdigest()
 
 
-def stage_key(ctx: RunContext, name: str, params) -> str:
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """The whole project's code (recorded in manifests: `rebuild` says when it changed)."""
+    h = hashlib.sha256(code_digest(ROOT, sorted(_graph())).encode())
+    h.update(canonical_json(library_versions()).encode())
+    return h.hexdigest()
+
+
+def stage_key(ctx: RunContext, name: str, spec: StageSpec, params) -> str:
+    upstream = {s: ctx.keys[s] for s in (*spec.needs, *spec.reads) if s in ctx.keys}
     payload = {
         "stage": name,
         "params": dataclasses.asdict(params),
-        "after": dict(ctx.keys),  # every earlier stage: a changed upstream invalidates all that follows
+        "reads": upstream,  # a changed upstream output invalidates what reads it, and only that
         "source": pins_digest(ctx.spec),
         "seed": ctx.seed,
         "device": ctx.device,
-        "code": code_version(),
+        "code": stage_code(spec.run_for(ctx.spec.kind).__module__),
     }
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
@@ -112,14 +121,11 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-ENVIRONMENT = "environment.json"
-
-
-def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
+def run_stages(ctx: RunContext, stages: dict[str, StageSpec], use_cache: bool = True) -> RunContext:
     """Run every stage of the profile in order, skipping those already in the cache."""
     for name, params in ctx.profile.stages.items():
-        spec = STAGES[name]
-        key = stage_key(ctx, name, params)
+        spec = stages[name]
+        key = stage_key(ctx, name, spec, params)
         started = _stats_start()
         ctx.keys[name] = key
         final = ctx.cache_root / name / key
@@ -129,7 +135,7 @@ def run_stages(ctx: RunContext, use_cache: bool = True) -> RunContext:
         else:
             ctx.log(f"stage {name}: running ({key[:12]})")
             with atomic_folder(final) as tmp:
-                result = _p(spec.run)(ctx, params, tmp)
+                result = spec.run_for(ctx.spec.kind)(ctx, params, tmp)
                 (tmp / "result.json").write_text(canonical_json(result, indent=2))
                 env = fingerprint(result.get("device", ctx.device) if isinstance(result, dict) else ctx.device)
                 (tmp / ENVIRONMENT).write_text(canonical_json(env, indent=2))
@@ -186,23 +192,3 @@ def _stats_end(started: float) -> dict:
 
 def default_cache_root() -> Path:
     return ARTIFACTS / ".cache"
-
-
-def _register_builtin() -> None:
-    from .calibration import CalibrateParams
-    from .evaluate import EvaluateParams
-    from .gate import GateParams
-    from .bundle import ExportParams
-
-    register("calibrate", StageSpec(CalibrateParams, "calibration:run_calibrate"))
-    register("quantize", StageSpec(None, "methods:run_quantize", needs=(), parse=_parse_quantize))
-    register("evaluate", StageSpec(EvaluateParams, "evaluate:run_evaluate", needs=("quantize",)))
-    register("gate", StageSpec(GateParams, "gate:run_gate"))
-    from .codec import ValidateParams  # codec decode parity against the FP32 source (issue 7)
-
-    register("validate", StageSpec(ValidateParams, "codec:run_validate", needs=("quantize",)))
-    register("export", StageSpec(ExportParams, "bundle:run_export", needs=("quantize",), cached=False))
-    from .methods import sensitivity  # noqa: F401  (registers the measure stage, issue 6)
-
-
-_register_builtin()

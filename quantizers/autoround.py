@@ -1,21 +1,18 @@
-"""auto-round (SignRound) on a Qwen3 backbone whose block-0 inputs are given, not looked up.
+"""auto-round (SignRound) one decoder block at a time, through its block-level API.
 
-auto-round drives a causal LM with token ids and catches what reaches the first decoder block.
-MOSS's block-0 input is a sum of 1 + n_vq embeddings, not one lookup, so the backbone is put in a
-Qwen3ForCausalLM whose embedding table *is* the calibration inputs: row n * S + s holds sample n,
-position s, and sample n is fed as the ids n * S .. n * S + S - 1. auto-round then tunes exactly
-the MOSS block inputs (Qwen3's own rotary and causal mask), and only `model.layers`.
-
-Data is always an explicit list of id tensors, so auto-round never builds its default
-(hub-fetched) dataset. Its tuned weights come back as `IntWeight`s for our GPTQ packing.
+The pipeline's engine owns the loop over blocks; for each one, auto-round's `quantize_block`
+(the public entry llm-compressor's AutoRoundModifier uses) gets the block, the fp stream's inputs
+(its reference is the source block on them) and the quantized stream's inputs (what the tuned
+block reads: auto-round's `enable_quanted_input`). auto-round never sees a model, a tokenizer or a
+dataset of its own, and holds only the block. The tuned integers come back as `IntWeight`s for
+our GPTQ packing.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import types
+import hashlib
+import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -23,9 +20,7 @@ from torch import nn
 from .errors import QuantizerError
 from .rtn import IntWeight
 
-FORMAT_BITS = (2, 3, 4, 8)  # GPTQ-packed widths auto-round's loaders and our packing share
-FORMAT_GROUP_SIZES = (32, 64, 128, 256, 512, 1024)  # groups must align with 32-row packing words
-BLOCKS = "model.layers"
+from .formats.gptq import BITS as FORMAT_BITS, GROUP_SIZES as FORMAT_GROUP_SIZES
 
 
 @dataclass(frozen=True)
@@ -56,60 +51,73 @@ class AutoRoundConfig:
             raise ValueError(f"lr: must be > 0 or null, got {self.lr}")
 
 
-def embeds_lm(qwen3_config, get: Callable[[str], torch.Tensor], block_inputs: torch.Tensor):
-    """A Qwen3ForCausalLM over `get` (Qwen3Model names) whose ids index `block_inputs` (N, S, H).
-
-    Returns (model, ids): ids[n] = (1, S) tensor that makes block 0 see block_inputs[n].
-    """
-    from transformers import Qwen3ForCausalLM
-
-    n, s, h = block_inputs.shape
-    cfg = copy.deepcopy(qwen3_config)
-    cfg.vocab_size = n * s
-    cfg.tie_word_embeddings = False
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
-    dtype = block_inputs.dtype
-    # Copies: auto-round writes the tuned weights in place, and a getter may hand out shared memory.
-    state = {f"model.{k}": get(k).to(dtype, copy=True)
-             for k, _ in model.model.named_parameters() if k != "embed_tokens.weight"}
-    state["model.embed_tokens.weight"] = block_inputs.reshape(n * s, h)
-    model.load_state_dict(state, assign=True, strict=False)
-    # Never called (caching stops after the blocks); a 1-row head keeps the unused vocab free.
-    model.lm_head = nn.Linear(h, 1, bias=False, dtype=dtype)
-    nn.init.zeros_(model.lm_head.weight)
-    with torch.device("cpu"):  # rotary inv_freq is a non-persistent buffer: rebuild it off meta
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
-    model.requires_grad_(False).eval()
-    ids = [torch.arange(i * s, (i + 1) * s).unsqueeze(0) for i in range(n)]
-    return model, ids
+def block_seed(seed: int, index: int) -> int:
+    """Each block's own seed (GPTQModel's per-module seeds): a block's tuning does not depend on
+    the blocks before it having drawn random numbers, so a resumed run tunes it the same way."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/block/{index}".encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
-# auto-round refuses a module without a tokenizer even when the data is already ids; it only reads
-# pad_token(_id) (absent: padding is inferred, and our ids never repeat) and model_max_length.
-def ids_only_tokenizer(seqlen: int):
-    return types.SimpleNamespace(pad_token=None, pad_token_id=None, model_max_length=seqlen)
+class _OneBlock(nn.Module):
+    """A decoder layer as `model.layers[0]`: what auto-round's block discovery walks."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([layer])
+        self.dtype = dtype
+        self.name_or_path = ""
+        self.config = layer.self_attn.config  # auto-round reads the model's config (a Qwen3 decoder layer carries it)
+
+    def forward(self, *args, **kwargs):
+        return self.model.layers[0](*args, **kwargs)
 
 
-def compressor(model, ids: list[torch.Tensor], cfg: AutoRoundConfig, seed: int, device: str):
-    """auto-round's compressor for `model.layers` of `model`, on exactly `ids` (never a hub dataset)."""
+def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfig, seed: int, device: str):
+    """auto-round for one decoder layer, fed by the caller (never a dataset of its own)."""
     from auto_round import AutoRound
     from auto_round.algorithms.quantization.sign_round.config import SignRoundConfig
 
     plain_logs()
-
-    if not ids or not all(isinstance(t, torch.Tensor) for t in ids):
-        raise QuantizerError("auto-round calibration: expected a non-empty list of id tensors")
-    sign_round = SignRoundConfig(iters=cfg.iters, lr=cfg.lr)
+    dtype = next(layer.parameters()).dtype
     return AutoRound(
-        model, ids_only_tokenizer(cfg.seqlen), scheme="W4A16", alg_configs=sign_round,
-        bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym,
-        dataset=ids, nsamples=len(ids), seqlen=cfg.seqlen, batch_size=cfg.batch_size,
-        seed=seed, device_map=device, enable_torch_compile=False,
+        _OneBlock(layer, dtype), tokenizer="", scheme="W4A16", alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr),
+        bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, nsamples=nsamples, seqlen=seqlen,
+        batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device, enable_torch_compile=False,
         enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
-        low_gpu_mem_usage=cfg.low_gpu_mem_usage and device.startswith("cuda"),
-        to_quant_block_names=BLOCKS,
+        low_gpu_mem_usage=cfg.low_gpu_mem_usage and str(device).startswith("cuda"), to_quant_block_names="model.layers",
     )
+
+
+def tune_block(layer: nn.Module, fp_in: torch.Tensor, quant_in: torch.Tensor | None, position_embeddings,
+               cfg: AutoRoundConfig, seed: int, device: str) -> tuple[torch.Tensor, dict[str, IntWeight]]:
+    """SignRound on one block through auto-round's block-level API (`quantize_block`, the entry
+    llm-compressor's AutoRoundModifier uses): the reference is the source block on the fp
+    stream `fp_in` (N, S, H), the tuned block reads the quantized stream `quant_in` (None for
+    block 0: the two streams start equal). Returns the tuned block's output on the quantized
+    stream and its Linears' integers, by name within the block."""
+    n, s = fp_in.shape[:2]
+    if s != cfg.seqlen:
+        raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {s}")
+    kwargs = {"position_embeddings": position_embeddings, "attention_mask": None}
+    inputs = [(((fp_in[i:i + 1],), kwargs),) for i in range(n)]
+    q_input = None if quant_in is None else [quant_in[i:i + 1] for i in range(n)]
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+           os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
+        ar = compressor(layer, n, s, cfg, seed, device)
+        with torch.enable_grad():
+            q_out, _ = ar.quantize_block(layer, inputs, q_input=q_input, device=device, auto_offload=False)
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        if was[2] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = was[2]
+    tuned = {name: int_weight(mod) for name, mod in layer.named_modules() if isinstance(mod, nn.Linear) and hasattr(mod, "scale")}
+    if not tuned:
+        raise QuantizerError("auto-round quantized no Linear of the block")
+    out = torch.cat([t if t.dim() == 3 else t[None] for t in q_out]) if isinstance(q_out, (list, tuple)) else q_out
+    return out.to("cpu"), dict(sorted(tuned.items()))
 
 
 def plain_logs() -> None:
@@ -138,41 +146,6 @@ def int_weight(layer: nn.Module) -> IntWeight:
     w = layer.weight.detach().reshape(out_f, in_f // gs, gs)
     q = torch.round(w / scales.to(layer.scale.dtype)[..., None] + zeros[..., None]).clamp(0, 2**bits - 1)
     return IntWeight(q.to(torch.int32).reshape(out_f, in_f), scales.cpu(), zeros.cpu(), bits, gs, bool(layer.sym))
-
-
-def int_weights(model: nn.Module, prefix: str = BLOCKS) -> dict[str, IntWeight]:
-    """Every Linear auto-round quantized under `prefix`, by module name relative to the CausalLM's `model.`."""
-    out = {}
-    for name, mod in model.named_modules():
-        if name.startswith(prefix + ".") and isinstance(mod, nn.Linear) and hasattr(mod, "scale"):
-            out[name.removeprefix("model.")] = int_weight(mod)
-    return dict(sorted(out.items()))
-
-
-def tune(qwen3_config, get: Callable[[str], torch.Tensor], block_inputs: torch.Tensor, cfg: AutoRoundConfig,
-         seed: int, device: str = "cpu") -> dict[str, IntWeight]:
-    """SignRound over every decoder block; returns {"layers.i.<linear>": IntWeight}."""
-    if block_inputs.shape[1] != cfg.seqlen:
-        raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {block_inputs.shape[1]}")
-    model, ids = embeds_lm(qwen3_config, get, block_inputs)
-    import os
-
-    was_deterministic = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    was_workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
-        ar = compressor(model, ids, cfg, seed, device)
-        ar.quantize()
-    finally:
-        torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
-        if was_workspace is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = was_workspace
-    tuned = int_weights(model)
-    if not tuned:
-        raise QuantizerError("auto-round quantized no Linear under model.layers")
-    return tuned
 
 
 def tuning_record(cfg: AutoRoundConfig) -> dict:

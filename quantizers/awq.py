@@ -1,12 +1,12 @@
 """AWQ through autoawq's own per-block search, driven one decoder block at a time.
 
 autoawq's `AwqQuantizer.__init__` wants a whole Hugging Face model and a hub text dataset, so
-it is built bare here and only its per-block algorithm is used, unchanged:
-`_get_input_feat` (inputs of every Linear, the block's FP output), `_search_best_scale` (20
-ratios of activation/weight magnitude, the lowest output MSE of the inspected module wins),
+it is built bare here and only its per-block algorithm is used, unchanged: `_search_best_scale`
+(20 ratios of activation/weight magnitude, the lowest output MSE of the inspected module wins),
 `apply_scale` (fold 1/s into the preceding norm or Linear), `_search_best_clip` + `apply_clip`
-(per-group max shrink, q/k skipped) and `pseudo_quantize_tensor` (the zero-point grid).
-The caller supplies the block, its input activations and its input-sharing groups.
+(per-group max shrink, q/k skipped) and `pseudo_quantize_tensor` (the zero-point grid). The
+caller supplies the block, every Linear's input activations (what autoawq's `_get_input_feat`
+would collect) and the block's input-sharing groups.
 """
 from __future__ import annotations
 
@@ -37,10 +37,6 @@ class AWQConfig:
     # Compute dtype of the search. auto: bfloat16 on CUDA (autoawq's own runs are half precision;
     # FP32 there is several times slower), float32 on the CPU (no fast half matmuls there).
     dtype: str = "auto"
-    # RTN at the same bits/group size, scored on the held-out set and recorded beside AWQ's figures.
-    baseline_rtn: bool = True
-    heldout_nsamples: int = 8
-    heldout_seqlen: int = 256
 
     def validate(self):
         if self.bits != 4:
@@ -51,7 +47,7 @@ class AWQConfig:
             raise ValueError("zero_point: the AWQ GEMM layout stores zero points; must be true")
         if self.group_size < 1:
             raise ValueError(f"group_size: must be >= 1, got {self.group_size}")
-        for key in ("nsamples", "seqlen", "batch_size", "heldout_nsamples", "heldout_seqlen"):
+        for key in ("nsamples", "seqlen", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -113,17 +109,17 @@ class _Snapshotting(nn.Module):
 
 
 @torch.no_grad()
-def awq_block(q, layer: nn.Module, inps: torch.Tensor, kwargs: dict, linears: list[str], groups: list[Group]):
+def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict, linears: list[str], groups: list[Group]):
     """Search and apply AWQ scales over `groups`, then clipping over `linears`, on one block in place.
 
-    Returns (the block's FP output: the next block's input, [(prev, linears, scales)], [(linear, max_val)]).
+    `feats` holds every Linear's inputs on the fp stream (what autoawq's `_get_input_feat` collects;
+    the engine captures them in its one pass over the block). Returns ([(prev, linears, scales)],
+    [(linear, max_val)]).
     """
     from awq.quantize.scale import apply_clip, apply_scale
 
     named = {name: layer.get_submodule(name) for name in linears}
-    q.inps, q.module_kwargs = inps, kwargs
-    feats = q._get_input_feat(layer, named)  # also runs the block: q.inps becomes its output
-    out = q.inps
+    q.module_kwargs = kwargs
     scales = [
         q._search_best_scale(
             layer,
@@ -140,7 +136,7 @@ def awq_block(q, layer: nn.Module, inps: torch.Tensor, kwargs: dict, linears: li
     if q.apply_clip:
         clips = q._search_best_clip(layer, named, feats)
         apply_clip(layer, clips)
-    return out, scales, clips
+    return scales, clips
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ def tiny_path():
 @pytest.fixture(scope="session")
 def rtn4_build(tmp_path_factory):
     """One rtn4 build on the tiny fixture, in its own cache and bundle roots."""
-    from pipelines.cli import build
+    from pipelines.api import build
 
     root = tmp_path_factory.mktemp("rtn4")
     ctx = build("rtn4", "tiny", cache_root=root / "cache", bundle_root=root / "bundles")

@@ -7,15 +7,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipelines import blocks, calibration
+from pipelines import engine as blocks, calibration
 from pipelines.backbone_export import export_backbone
 from pipelines.checkpoint import Checkpoint
-from pipelines.cli import build
+from pipelines.api import build
 from pipelines.errors import PipelineError
 from pipelines.evaluate import compare
 from pipelines.loader import load_bundle, load_source
 from pipelines.models.moss_tts_delay import MossTTSDelayConfig
-from pipelines.profile import load_profile
+from pipelines.api import plan as load_profile
 from quantizers.autoround import AutoRoundConfig, compressor, embeds_lm, int_weights
 from quantizers.errors import QuantizerError
 from quantizers.packing import pack_gptq

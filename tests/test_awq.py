@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines import blocks
+from pipelines import engine as blocks
 from pipelines.checkpoint import Checkpoint, sha256_file, write_sharded
 from pipelines.errors import PipelineError
 from pipelines.models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, MossTTSDelayConfig
@@ -19,39 +19,36 @@ CFG_KEYS = {"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 1
 def awq4(tmp_path_factory):
     """One awq4 build; while it runs, record the in-memory fake-quant model: every scaled and
     clipped block's weights on autoawq's grid (float16 scales, as stored) and the folded FP32 norms."""
-    from pipelines.cli import build
+    from pipelines.api import build
     from pipelines.methods import awq as method
-    from quantizers.awq import autoawq_quantizer, int_weight
+    from quantizers.awq import int_weight
 
-    fake, orig = {}, method.awq_layers
+    fake, orig = {}, method.AWQHook.on_block
 
-    def spy(ckpt, cfg, ids, device, plan):
-        q = autoawq_quantizer(cfg)
-        for i, layer, info in orig(ckpt, cfg, ids, device, plan):
-            pre = f"{BLOCK_PREFIX}.{i}."
-            for rel in BLOCK_LINEARS:
-                fake[pre + rel + ".weight"] = int_weight(q, layer.get_submodule(rel).weight).dequantize()
-            for rel in ("input_layernorm", "post_attention_layernorm"):
-                fake[pre + rel + ".weight"] = layer.get_submodule(rel).weight.float().clone()
-            yield i, layer, info
+    def spy(self, step):
+        out = orig(self, step)  # the block is scaled and clipped in place, still FP
+        q, pre, layer = self.q, f"{BLOCK_PREFIX}.{step.index}.", step.layer
+        for rel in BLOCK_LINEARS:
+            fake[pre + rel + ".weight"] = int_weight(q, layer.get_submodule(rel).weight).dequantize()
+        for rel in ("input_layernorm", "post_attention_layernorm"):
+            fake[pre + rel + ".weight"] = layer.get_submodule(rel).weight.float().clone()
+        return out
 
     root = tmp_path_factory.mktemp("awq4")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(method, "awq_layers", spy)
+        mp.setattr(method.AWQHook, "on_block", spy)
         ctx = build("awq4", "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
     return ctx, json.loads((ctx.bundle / "manifest.json").read_text()), fake
 
 
 def test_awq4_beats_rtn4_per_codebook_and_records_both(awq4, rtn4_build):
     ctx, m, _ = awq4
-    details = m["method_details"]
-    awq, rtn = details["awq"], details["baseline_rtn"]
-    # AWQ's figures in method_details are the evaluate stage's: same held-out sequences, same numbers.
-    assert m["evaluation"]["dataset"]["sha256"] == details["heldout"]["sha256"]
-    assert m["evaluation"]["metrics"] == awq
-    # The recorded baseline is rtn4 itself when scored on the same held-out set.
+    awq, rtn = m["evaluation"]["metrics"], m["evaluation"]["baseline"]["metrics"]
+    # The evaluate stage's baseline is RTN on awq4's own grid (4-bit g128 zero point): rtn4 itself
+    # when both are scored on the same held-out set.
     rtn4_eval = rtn4_build.results["evaluate"]
-    if rtn4_eval["dataset"]["sha256"] == details["heldout"]["sha256"]:
+    assert m["evaluation"]["baseline"]["method"] == "rtn"
+    if rtn4_eval["dataset"]["sha256"] == m["evaluation"]["dataset"]["sha256"]:
         assert {k: rtn[k] for k in rtn4_eval["metrics"]} == rtn4_eval["metrics"]
     n_vq = len(awq["kl_audio"])
     better_kl = sum(a < r for a, r in zip(awq["kl_audio"], rtn["kl_audio"]))
@@ -66,7 +63,7 @@ def test_awq4_beats_rtn4_per_codebook_and_records_both(awq4, rtn4_build):
 
 
 def test_awq4_bundle_is_awq_gemm_and_loads_like_the_in_memory_model(awq4, tiny_path):
-    from pipelines.bundle import verify_bundle
+    from pipelines.manifest import verify as verify_bundle
     from pipelines.loader import load_bundle, load_source
 
     ctx, m, fake = awq4
@@ -99,8 +96,7 @@ def test_awq4_bundle_is_awq_gemm_and_loads_like_the_in_memory_model(awq4, tiny_p
         got = loaded(ids)
         ref = load_source(tiny_path, dtype=torch.float32)(ids)
     get = lambda n: fake[n] if n in fake else src.get(n).float()
-    *_, (_, _, last) = blocks.stream_blocks(mcfg, get, ids, dtype=torch.float32)
-    want = blocks.head_logits(mcfg, get, blocks.final_norm(mcfg, get, last))
+    want = _logits(mcfg, get, ids)
     for k in (0, 1, 32):
         finite = torch.isfinite(want[k])
         err = (got[k] - want[k])[finite].norm() / want[k][finite].norm()
@@ -108,6 +104,24 @@ def test_awq4_bundle_is_awq_gemm_and_loads_like_the_in_memory_model(awq4, tiny_p
         # only the BF16 rounding of the folded norms separates them
         assert err < 0.005 and err < 0.1 * quant_err, (k, err.item(), quant_err.item())
         assert (got[k].argmax(-1) == want[k].argmax(-1)).float().mean() > 0.97
+
+
+class _FPOnly:
+    streams, capture = (blocks.FP,), ()
+
+    def on_block(self, step):
+        return None
+
+
+def _logits(mcfg, get, ids):
+    """The model over getter `get`, through the engine (float32): every head's logits."""
+    engine = blocks.Engine(mcfg, get, "cpu", torch.float32)
+    engine.run(_FPOnly(), ids)
+    h = blocks.final_norm(mcfg, get, engine.last[blocks.FP])
+    out = [h @ get(f"lm_heads.{k}.weight").float().t() for k in range(mcfg.n_vq + 1)]
+    for k in range(1, len(out)):
+        out[k][..., mcfg.audio_pad_code] = float("-inf")
+    return out
 
 
 def test_folded_scales_keep_the_block_function(tiny_path):
@@ -123,16 +137,18 @@ def test_folded_scales_keep_the_block_function(tiny_path):
     assert [g.prev for g in plan[0]] == ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
     assert skipped and "grouped-query" in skipped[0]  # tiny has 4 query / 2 kv heads: v -> o cannot fold
     ids = build("moss-calib-v1", ck.config(), 4, 64, tiny_path).ids
+    engine = blocks.Engine(mcfg, ck.get, "cpu", torch.float32)
     x = blocks.embed(mcfg, ck.get, ids, torch.float32)
     pos = blocks.rotary(mcfg, 64, torch.float32)
     layer = blocks.load_block(mcfg, 0, ck.get, torch.float32)
-    before = blocks.run_block(layer, x, pos)
-    out, scales, clips = awq_block(autoawq_quantizer(cfg), layer, x, {"position_embeddings": pos, "attention_mask": None},
-                                   list(BLOCK_LINEARS), plan[0])
+    feats = {name: [] for name in BLOCK_LINEARS}
+    before = engine.forward(layer, x, pos, {name: store.append for name, store in feats.items()})
+    feats = {name: torch.cat(v) for name, v in feats.items()}
+    scales, clips = awq_block(autoawq_quantizer(cfg), layer, feats, {"position_embeddings": pos, "attention_mask": None},
+                              list(BLOCK_LINEARS), plan[0])
     assert clips == [] and len(scales) == 3
-    torch.testing.assert_close(out, before)  # the next block reads the FP output
     assert max(s.max() / s.min() for _, _, s in scales) > 2  # the search chose non-trivial scales
-    torch.testing.assert_close(blocks.run_block(layer, x, pos), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(engine.forward(layer, x, pos), before, rtol=1e-4, atol=1e-4)
     w = ck.get(f"{BLOCK_PREFIX}.0.input_layernorm.weight").float()
     assert not torch.allclose(layer.input_layernorm.weight, w)
 
@@ -142,7 +158,7 @@ def _profile(tmp: Path, calibrate: dict, quantize: dict) -> Path:
 
     data = {"name": "awq4-test", "kind": "generator", "seed": 0, "stages": {
         "calibrate": {"dataset": "moss-calib-v1", **calibrate},
-        "quantize": {"method": "awq", "device": "cpu", "heldout_nsamples": 2, "heldout_seqlen": 64, **quantize},
+        "quantize": {"method": "awq", "device": "cpu", **quantize},
         "export": {}}}
     path = tmp / "awq4-test.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -161,7 +177,7 @@ def _nothing_written(root: Path):
      r"awq4-test\.yaml: stages\.quantize\.group_size: 512 does not divide the input width 256 of self_attn\.q_proj"),
 ])
 def test_bad_calibration_or_group_size_fail_in_one_line_leaving_nothing(tmp_path, tiny_path, calibrate, quantize, match):
-    from pipelines.cli import build
+    from pipelines.api import build
 
     path = _profile(tmp_path, calibrate, quantize)
     with pytest.raises(PipelineError, match=match) as e:
@@ -174,8 +190,10 @@ def test_bad_calibration_or_group_size_fail_in_one_line_leaving_nothing(tmp_path
 
 def test_block_structure_not_matching_the_mappings_is_refused(tmp_path, tiny_path):
     """A checkpoint whose block 2 names its up projection differently (e.g. a fused/renamed MLP)."""
-    from pipelines.profile import load_profile
+    from pipelines.api import plan as load_profile
     from pipelines.source import ModelSpec
+    from pipelines.api import DEFINITIONS
+    from pipelines.pipeline import STAGES
     from pipelines.stages import RunContext, run_stages
 
     src = Checkpoint(tiny_path)
@@ -187,9 +205,9 @@ def test_block_structure_not_matching_the_mappings_is_refused(tmp_path, tiny_pat
     spec = ModelSpec(name="tiny-renamed", kind="generator", repo="test/tiny-renamed", revision="r0",
                      files={f.name: sha256_file(f) for f in sorted(snap.iterdir())})
     prof = load_profile(str(_profile(tmp_path, {"nsamples": 4, "seqlen": 64}, {"nsamples": 4, "seqlen": 64})))
-    ctx = RunContext(spec=spec, snapshot=snap, profile=prof, device="cpu", cache_root=tmp_path / "cache")
-    ctx.bundle_root = tmp_path / "bundles"
+    ctx = RunContext(spec=spec, snapshot=snap, profile=prof, definition=DEFINITIONS["generator"], device="cpu",
+                     cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
     with pytest.raises(PipelineError, match=rf"tensor {bad} is a 2-D weight the AWQ mappings .* do not cover") as e:
-        run_stages(ctx)
+        run_stages(ctx, STAGES)
     assert "\n" not in str(e.value)
     _nothing_written(tmp_path)

@@ -7,9 +7,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pipelines.bundle import verify_bundle
+from pipelines.manifest import verify as verify_bundle
 from pipelines.checkpoint import Checkpoint
-from pipelines.cli import build
+from pipelines.api import build
 from pipelines.errors import PipelineError
 from pipelines.loader import load_bundle, load_source
 
@@ -152,7 +152,7 @@ def test_interrupted_run_resumes_at_the_unfinished_stage(tmp_path, monkeypatch, 
 
 
 def test_versions_are_never_overwritten(rtn4_build, tmp_path):
-    from pipelines.bundle import write_bundle
+    from pipelines.export import write_bundle
 
     def other(tmp):
         (tmp / "manifest.json").write_text("{}")

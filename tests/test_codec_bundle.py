@@ -10,10 +10,12 @@ import yaml
 from safetensors import safe_open
 
 from pipelines import source
-from pipelines.bundle import safetensors_layout
+from pipelines.export import safetensors_layout
 from pipelines.checkpoint import Checkpoint
-from pipelines.cli import build
-from pipelines.codec import read_config, load_codec_bundle, load_validation_set, parity_metrics, read_wav, source_decoder
+from pipelines.api import build
+from pipelines.codec_eval import load_validation_set, parity_metrics, read_wav
+from pipelines.loader import load_bundle as load_codec_bundle
+from pipelines.models.moss_audio_tokenizer import read_config, source_decoder
 from pipelines.codec_fixtures import write_codec_fixture
 from pipelines.errors import PipelineError
 from pipelines.loader import load_bundle
@@ -106,7 +108,7 @@ def test_loaded_bundle_reproduces_fp32_decode_within_the_gate(built, tiny):
 def test_manifest_records_validation_and_bits_per_weight(built, tiny):
     bundle, _ = built
     m = manifest(bundle)
-    v = m["validation"]
+    v = m["evaluation"]
     assert v["dataset"]["sha256"] == load_validation_set().sha256
     assert v["metrics"]["sample_count_mismatches"] == 0
     for key in ("mean_abs_diff", "max_abs_diff", "snr_db", "log_mel_distance_db"):
@@ -174,7 +176,7 @@ def test_cli_builds_codec_maps_model_tiny_and_refuses_kind_mismatch(tmp_path, ti
     from pathlib import Path
 
     env = {**os.environ, "MOSSQUANT_ARTIFACTS": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "pipelines.cli", *a], capture_output=True, text=True, env=env)  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pipelines", *a], capture_output=True, text=True, env=env)  # noqa: E731
     r = run("quantize", "codec-fp8", "--model", "codec-tiny", "--model-path", str(tiny))
     assert r.returncode == 0, r.stderr
     bundle = Path(r.stdout.strip().splitlines()[-1].removeprefix("bundle: "))

@@ -4,7 +4,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantizers.errors import QuantizerError
-from quantizers.fp8 import FP8_DTYPE, FP8_MAX, SCALE_EPS, dequantize_fp8, quantization_config, quantize_fp8
+from quantizers.formats.fp8_channel import FP8_DTYPE, quantization_config
+from quantizers.formats.fp8_channel import dequantize as dequantize_fp8
+from quantizers.fp8 import FP8_MAX, SCALE_EPS, quantize_fp8
 
 
 def heavy_tailed(rows=48, cols=64, seed=0):

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipelines.checkpoint import Checkpoint
-from pipelines.codec import extract_decode_only, read_config, source_decoder
 from pipelines.codec_fixtures import fixture_config, write_codec_fixture
 from pipelines.errors import PipelineError
+from pipelines.models.moss_audio_tokenizer import extract_decode_only, read_config, source_decoder
 from pipelines.models.moss_audio_tokenizer import (
     CodecConfig, Patch, WeightNormConv1x1, decoder_linear_names, rope, tensor_specs,
 )

@@ -6,8 +6,8 @@ import pytest
 import torch
 import yaml
 
-from pipelines import codec
-from pipelines.codec import (
+from pipelines import codec_eval as codec
+from pipelines.codec_eval import (
     check_set_matches, codes_digest, generate_codes, load_validation_set, log_mel_distance_db, parity_metrics,
     read_wav, wav_bytes,
 )

@@ -11,7 +11,7 @@ import yaml
 
 from pipelines.calibration import build as build_set
 from pipelines.checkpoint import Checkpoint
-from pipelines.cli import build
+from pipelines.api import build
 from pipelines.errors import PipelineError
 from pipelines.evaluate import EvaluateParams, _kl_top1, audio_positions, compare
 from pipelines.fixtures import write_fixture

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pipelines import atomic
-from pipelines.cli import build
+from pipelines.api import build
 from pipelines.errors import PipelineError
 from pipelines.source import ROOT
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from pipelines import blocks
+from pipelines import engine as blocks
 from pipelines.checkpoint import Checkpoint
 from pipelines.fixtures import fixture_config, tensor_specs
 from pipelines.loader import load_source

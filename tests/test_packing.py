@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from quantizers.errors import QuantizerError
-from quantizers.packing import pack_awq, pack_gptq, unpack_awq, unpack_gptq
+from quantizers.formats import awq_gemm, gptq
 from quantizers.rtn import RTNConfig, quantize_rtn
 
 
@@ -17,11 +17,11 @@ def _weight(out=64, inp=256, seed=0):
 @pytest.mark.parametrize("sym", [False, True])
 def test_gptq_pack_round_trip(bits, sym):
     iw = quantize_rtn(_weight(), RTNConfig(bits, 64, sym))
-    packed = pack_gptq(iw)
+    packed = gptq.pack(iw)
     assert packed["qweight"].dtype == torch.int32 and packed["qweight"].shape == (256 * bits // 32, 64)
     assert packed["qzeros"].shape == (256 // 64, 64 * bits // 32)
     assert packed["scales"].dtype == torch.float16 and packed["scales"].shape == (4, 64)
-    back = unpack_gptq(packed, bits, 64)
+    back = gptq.unpack(packed, bits, 64)
     assert torch.equal(back.q, iw.q) and torch.equal(back.zeros, iw.zeros)
     torch.testing.assert_close(back.dequantize(), iw.dequantize())
 
@@ -31,7 +31,7 @@ def test_gptq_3bit_values_straddle_words_like_autogptq():
     # the top of word 0 and its high bit at the bottom of word 1.
     q = torch.zeros(1, 32, dtype=torch.int32)
     q[0, 10] = 0b101
-    from quantizers.packing import _pack_stream
+    from quantizers.formats.gptq import _pack_stream
 
     words = _pack_stream(q.t().contiguous(), 3)[:, 0].to(torch.int64) & 0xFFFFFFFF
     assert words[0].item() == 0b01 << 30 and words[1].item() == 0b1 and words[2].item() == 0
@@ -39,15 +39,15 @@ def test_gptq_3bit_values_straddle_words_like_autogptq():
 
 def test_awq_gemm_order_and_round_trip():
     iw = quantize_rtn(_weight(), RTNConfig(4, 128, False))
-    packed = pack_awq(iw)
+    packed = awq_gemm.pack(iw)
     assert packed["qweight"].shape == (256, 8) and packed["qzeros"].shape == (2, 8)
-    back = unpack_awq(packed, 128)
+    back = awq_gemm.unpack(packed, 4, 128)
     assert torch.equal(back.q, iw.q) and torch.equal(back.zeros, iw.zeros)
     # AWQ_ORDER: output column 1 sits in nibble 4 of the first word
     word = packed["qweight"][0, 0].item() & 0xFFFFFFFF
     assert (word >> 16) & 0xF == iw.q[1, 0].item()
     with pytest.raises(QuantizerError, match="4-bit only"):
-        pack_awq(quantize_rtn(_weight(), RTNConfig(3, 128, False)))
+        awq_gemm.pack(quantize_rtn(_weight(), RTNConfig(3, 128, False)))
 
 
 def test_rtn_error_falls_with_bits_and_bad_groups_are_named():

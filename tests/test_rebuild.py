@@ -10,7 +10,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from pipelines.checkpoint import canonical_json, sha256_file
-from pipelines.cli import build
+from pipelines.api import build
 from pipelines.profile import known_profiles
 from pipelines.rebuild import rebuild
 from pipelines.source import ROOT
@@ -111,7 +111,7 @@ def test_other_environment_is_measured_against_the_recipe_tolerances(rtn4_build,
 
 
 def test_rebuild_of_a_bundle_pulled_from_the_registry(rtn4_build, tmp_path):
-    from pipelines.registry import open_registry, pull, push
+    from pipelines.registry.client import open_registry, pull, push
 
     reg = open_registry(f"oci-layout:{tmp_path / 'layout'}")
     push(reg, rtn4_build.bundle)

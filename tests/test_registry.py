@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from pipelines.checkpoint import canonical_json, sha256_file
 from pipelines.errors import PipelineError
-from pipelines.registry import list_tags, open_registry, pull, push, split_ref
+from pipelines.registry.client import list_tags, open_registry, pull, push, split_ref
 from pipelines.registry.artifact import ARTIFACT_TYPE, Blob, CONFIG_MEDIA_TYPE, FILEPATH, WEIGHT, WEIGHT_CONFIG
 from registry_server import auth_registry_server, registry_server  # noqa: F401  (pytest fixtures)
 

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from pipelines.errors import PipelineError
-from pipelines.registry import open_registry, pull, push
+from pipelines.registry.client import open_registry, pull, push
 from registry_server import AUTH_PASSWORD, AUTH_USER, auth_registry_server  # noqa: F401  (pytest fixture)
 from test_registry import make_bundle, tree
 

@@ -8,7 +8,7 @@ import torch
 
 from pipelines.cli import main
 from pipelines.loader import load_bundle
-from pipelines.registry import open_registry, pull, push
+from pipelines.registry.client import open_registry, pull, push
 from registry_server import registry_server  # noqa: F401  (pytest fixture)
 from test_registry import tree
 

@@ -7,7 +7,8 @@ import shutil
 import pytest
 import yaml
 
-from pipelines.cli import build, main
+from pipelines.api import build
+from pipelines.cli import main
 from pipelines.codec_fixtures import write_codec_fixture
 from pipelines.errors import PipelineError
 from pipelines.fixtures import write_fixture
@@ -145,8 +146,8 @@ def test_codec_report_under_its_own_model_name(root):
     assert m["kind"] == "codec" and m["evaluation"] is None
     [row] = t["Codec fidelity against the FP32 decode"]
     for k in CODEC_METRICS:
-        assert num(row[k]) == pytest.approx(m["validation"]["metrics"][k], rel=1e-5), k
-    assert num(row["baseline_snr_db"]) == pytest.approx(m["validation"]["unquantized_baseline"]["metrics"]["snr_db"], rel=1e-5)
+        assert num(row[k]) == pytest.approx(m["evaluation"]["metrics"][k], rel=1e-5), k
+    assert num(row["baseline_snr_db"]) == pytest.approx(m["evaluation"]["unquantized_baseline"]["metrics"]["snr_db"], rel=1e-5)
     assert num(row["log_mel_distance_db"]) > 0
     [bpw] = t["Bits per weight"]
     for c, v in m["bits_per_weight"]["components"].items():

@@ -7,11 +7,11 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from pipelines.cli import build
+from pipelines.api import build
 from pipelines.errors import PipelineError
 from pipelines.loader import load_bundle, load_source
 from pipelines.methods.sensitivity import MEASUREMENT, MeasureParams, run_measure
-from pipelines.profile import load_profile
+from pipelines.api import plan as load_profile
 from pipelines.source import CONFIGS
 from quantizers.errors import QuantizerError
 from quantizers.rtn import RTNConfig, fake_quantize

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from pipelines.errors import PipelineError
-from pipelines.profile import load_profile
+from pipelines.api import plan as load_profile
 from pipelines.source import load_model_spec, pin, resolve_path, verify
 
 

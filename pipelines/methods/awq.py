@@ -7,26 +7,19 @@ fold into the preceding norm or Linear (the norms are stored BF16 with the folde
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
 from quantizers.awq import N_GRID, AWQConfig, Group, autoawq_quantizer, awq_block, int_weight
 from quantizers.errors import QuantizerError
-from quantizers.packing import pack
-from quantizers.rtn import RTNConfig, fake_quantize
+from quantizers.formats import awq_gemm, pack
 
-from .. import blocks
 from ..calibration import load_ids
 from ..checkpoint import Checkpoint
+from ..engine import FP, Engine, Step
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, INPUT_GROUPS, MossTTSDelayConfig
-from ..progress import progress
-from . import QuantResult
-from .gptq_layout import gptq_result
+from .weights import Weights
 
-CONFIG = AWQConfig
-NEEDS_CALIBRATION = True
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
 MAPPINGS = "INPUT_GROUPS/BLOCK_LINEARS in pipelines/models/moss_tts_delay.py"
@@ -96,79 +89,53 @@ def calibration_batch(ctx, cfg: AWQConfig) -> torch.Tensor:
     return ids.reshape(n * s, c)[: cfg.nsamples * cfg.seqlen].reshape(cfg.nsamples, cfg.seqlen, c)
 
 
-def awq_layers(ckpt: Checkpoint, cfg: AWQConfig, ids: torch.Tensor, device: str,
-               plan: list[list[Group]]) -> Iterator[tuple[int, torch.nn.Module, dict]]:
-    """Yields (i, block i with AWQ scales folded and clipping applied, still FP, info); one block resident."""
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    q = autoawq_quantizer(cfg)
-    dtype = cfg.torch_dtype(device)
-    hidden = blocks.embed(mcfg, ckpt.get, ids, dtype, device)  # summed text + audio embeddings, not text alone
-    kwargs = {"position_embeddings": blocks.rotary(mcfg, ids.shape[1], dtype, device), "attention_mask": None}
-    for i in progress(range(mcfg.num_layers), desc="awq", unit="block"):
-        layer = blocks.load_block(mcfg, i, ckpt.get, dtype, device)
-        hidden, scales, clips = awq_block(q, layer, hidden, kwargs, list(BLOCK_LINEARS), plan[i])
-        info = {
+class AWQHook:
+    """Per block: autoawq's scale search over the input-sharing groups and its clip search, on the
+    fp stream's Linear inputs (captured by the engine in its pass over the block); then each
+    Linear is quantized on autoawq's zero-point grid and packed in the AWQ GEMM layout."""
+
+    streams = (FP,)
+    capture = BLOCK_LINEARS
+
+    def __init__(self, q, plan: list[list[Group]], log):
+        self.q, self.plan, self.log = q, plan, log
+        self.packed, self.folded, self.blocks = {}, {}, []
+
+    def on_block(self, step: Step) -> None:
+        i, layer = step.index, step.layer
+        kwargs = {"position_embeddings": step.position_embeddings, "attention_mask": None}
+        scales, clips = awq_block(self.q, layer, step.captured, kwargs, list(BLOCK_LINEARS), self.plan[i])
+        pre = f"{BLOCK_PREFIX}.{i}."
+        for rel in BLOCK_LINEARS:
+            try:
+                self.packed[pre + rel] = pack(int_weight(self.q, layer.get_submodule(rel).weight, pre + rel + ".weight"), "awq")
+            except QuantizerError as e:
+                raise PipelineError(str(e)) from None
+        for g in self.plan[i]:
+            if g.prev not in BLOCK_LINEARS:  # a norm carrying the folded scales
+                self.folded[pre + g.prev + ".weight"] = layer.get_submodule(g.prev).weight.detach().float().cpu()
+        self.blocks.append({
             "scaled": [{"prev": prev, "linears": list(lins), "scale_min": round(s.min().item(), 6),
                         "scale_max": round(s.max().item(), 6)} for prev, lins, s in scales],
             "clipped": sorted(name for name, _ in clips),
-        }
-        yield i, layer.to(device), info
-        del layer
+        })
+        self.log(f"awq block {i}: scaled {len(scales)} groups, clipped {len(clips)} Linears")
 
 
-def quantize(ctx, cfg: AWQConfig, device: str) -> QuantResult:
+def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     ckpt = ctx.checkpoint()
     mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
     plan, skipped = plan_groups(ckpt, mcfg, cfg)  # everything refusable is refused before any compute
     ids = calibration_batch(ctx, cfg)
-    q = autoawq_quantizer(cfg)
-    quantized, folded, per_block = {}, {}, []
-    for i, layer, info in awq_layers(ckpt, cfg, ids, device, plan):
-        pre = f"{BLOCK_PREFIX}.{i}."
-        for rel in BLOCK_LINEARS:
-            try:
-                quantized[pre + rel] = pack(int_weight(q, layer.get_submodule(rel).weight, pre + rel + ".weight"), "awq")
-            except QuantizerError as e:
-                raise PipelineError(str(e)) from None
-        for g in plan[i]:
-            if g.prev not in BLOCK_LINEARS:
-                folded[pre + g.prev + ".weight"] = layer.get_submodule(g.prev).weight.detach().float().cpu()
-        per_block.append(info)
-        ctx.log(f"awq block {i}: scaled {len(info['scaled'])} groups, clipped {len(info['clipped'])} Linears")
-    qc = {"quant_method": "awq", "version": cfg.version, "bits": cfg.bits, "group_size": cfg.group_size,
-          "zero_point": cfg.zero_point, "modules_to_not_convert": NOT_CONVERTED}
-    result = gptq_result(ckpt, quantized, qc, fmt="awq", replaced=folded,
-                         reasons={name: FOLDED_REASON for name in folded})
-    result.extra = {
+    hook = AWQHook(autoawq_quantizer(cfg), plan, ctx.log)
+    Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq").run(hook, ids)
+    details = {
         "library": "autoawq AwqQuantizer: _search_best_scale, apply_scale, _search_best_clip, apply_clip, pseudo_quantize_tensor",
         "n_grid": N_GRID,
         "search_dtype": str(cfg.torch_dtype(device)).removeprefix("torch."),
         "calibration_tokens": {"nsamples": cfg.nsamples, "seqlen": cfg.seqlen},
         "skipped_groups": skipped,
-        "blocks": per_block,
+        "blocks": hook.blocks,
     }
-    if cfg.baseline_rtn:
-        result.extra.update(baseline_comparison(ctx, cfg, result, device))
-    return result
-
-
-def baseline_comparison(ctx, cfg: AWQConfig, result: QuantResult, device: str) -> dict:
-    """AWQ and group-wise RTN (rtn4's quantizer, same bits and group size) on the same held-out set."""
-    from ..calibration import build
-    from ..evaluate import compare
-    from ..loader import DequantizingView
-
-    ckpt = ctx.checkpoint()
-    config = ckpt.config()
-    held = build("moss-heldout-v1", config, cfg.heldout_nsamples, cfg.heldout_seqlen, ctx.snapshot)
-    awq_get = DequantizingView(result.tensors.__getitem__, result.tensors.keys(), result.quantization_config)
-    rtn_cfg = RTNConfig(bits=cfg.bits, group_size=cfg.group_size, sym=False)
-    targets = {n for n, e in result.layout.items() if e["format"] == "awq"}
-    rtn_get = lambda n: fake_quantize(ckpt.get(n).float(), rtn_cfg) if n in targets else ckpt.get(n)
-    heldout = {"name": held.name, "sha256": held.sha256, "nsamples": cfg.heldout_nsamples, "seqlen": cfg.heldout_seqlen}
-    return {
-        "heldout": heldout,
-        "awq": compare(config, ckpt.get, awq_get, held.ids, device=device),
-        "baseline_rtn": {"quantizer": f"rtn bits={cfg.bits} group_size={cfg.group_size} zero point (as rtn4)",
-                         **compare(config, ckpt.get, rtn_get, held.ids, device=device)},
-    }
+    return Weights(hook.packed, awq_gemm.quantization_config(cfg.group_size, NOT_CONVERTED), replaced=hook.folded,
+                   reasons={name: FOLDED_REASON for name in hook.folded}, details=details)

@@ -1,31 +1,25 @@
 """Round-to-nearest, group-wise: the baseline every calibrated method must beat.
 
-Streams one tensor at a time from the checkpoint on disk; needs no calibration.
+Streams one tensor at a time from the checkpoint on disk; needs no calibration or activations.
 """
 from __future__ import annotations
 
 from quantizers.errors import QuantizerError
-from quantizers.packing import pack
+from quantizers.formats import gptq, pack
 from quantizers.rtn import RTNConfig, quantize_rtn
 
 from ..errors import PipelineError
-from ..models.moss_tts_delay import MossTTSDelayConfig, block_linear_names
+from ..models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig, block_linear_names
 from ..progress import progress
-from .gptq_layout import autoround_config, gptq_result
-
-CONFIG = RTNConfig
-NEEDS_CALIBRATION = False
+from .weights import Weights
 
 
-def quantize(ctx, cfg: RTNConfig, device: str):
+def quantize(ctx, cfg: RTNConfig, device: str) -> Weights:
     ckpt = ctx.checkpoint()
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    quantized = {}
-    for module in progress(block_linear_names(mcfg), desc="rtn", unit="tensor"):
-        w = ckpt.get(module + ".weight").to(device)
+    packed = {}
+    for module in progress(block_linear_names(MossTTSDelayConfig.from_dict(ckpt.config())), desc="rtn", unit="tensor"):
         try:
-            quantized[module] = pack(quantize_rtn(w, cfg, name=module + ".weight"), "gptq")
+            packed[module] = pack(quantize_rtn(ckpt.get(module + ".weight").to(device), cfg, name=module + ".weight"), "gptq")
         except QuantizerError as e:
             raise PipelineError(str(e)) from None
-    qc = autoround_config(cfg.bits, cfg.group_size, cfg.sym, iters=0)
-    return gptq_result(ckpt, quantized, qc)
+    return Weights(packed, gptq.quantization_config(cfg.bits, cfg.group_size, cfg.sym, BLOCK_PREFIX, iters=0))

@@ -19,21 +19,19 @@ from pathlib import Path
 import torch
 
 from quantizers.errors import QuantizerError
-from quantizers.packing import pack
+from quantizers.formats import gptq, pack
 from quantizers.rtn import SUPPORTED_BITS, RTNConfig, quantize_rtn
 from quantizers.sensitivity import (KEEP_BF16, SensitivityConfig, allocate, bits_per_weight, estimated_bpw, gram,
                                     output_errors, sig)
 
-from .. import blocks
 from ..checkpoint import canonical_json, sha256_file
+from ..engine import FP, Engine
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, MossTTSDelayConfig, block_linear_names
 from ..progress import progress
 from ..source import ROOT, pins_digest
-from .gptq_layout import autoround_config, gptq_result
+from .weights import Weights
 
-CONFIG = SensitivityConfig
-NEEDS_CALIBRATION = True
 MEASUREMENT = "measurement.json"
 SCHEMA = "moss-quant/measurement/v1"
 METRIC = "relative output error ||X(W_q-W)^T||^2 / ||XW^T||^2, W_q = RTN of this Linear alone, X = its calibration inputs"
@@ -71,38 +69,41 @@ class MeasureParams:
         return p if p.is_absolute() else ROOT / p
 
 
+class MeasureHook:
+    """Per block: the input Gram matrix of every Linear on the fp stream (accumulated per batch,
+    float64), then each Linear's damage at every candidate width."""
+
+    streams, capture, observed = (FP,), (), BLOCK_LINEARS
+
+    def __init__(self, ckpt, params: MeasureParams, device: str):
+        self.ckpt, self.params, self.device = ckpt, params, device
+        self.grams, self.tensors = {}, {}
+
+    def observe(self, block: int, name: str, x: torch.Tensor) -> None:
+        g = gram(x)
+        self.grams[name] = g if name not in self.grams else self.grams[name] + g
+
+    def on_block(self, step) -> None:
+        p = self.params
+        for m in BLOCK_LINEARS:
+            name = f"{BLOCK_PREFIX}.{step.index}.{m}"
+            w = self.ckpt.get(name + ".weight").to(self.device)
+            try:
+                errs = output_errors(w, self.grams[m], sorted(p.candidate_bits), p.group_size, p.sym)
+            except QuantizerError as e:
+                raise PipelineError(str(e)) from None
+            self.tensors[name] = {"shape": list(w.shape), "scores": {str(b): sig(e) for b, e in errs.items()}}
+        self.grams = {}
+
+
 def _measure(ctx, params: MeasureParams, device: str) -> dict:
     from ..calibration import load_ids
 
     ckpt = ctx.checkpoint()
-    cfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    ids = load_ids(ctx.dirs["calibrate"])
-    hidden = blocks.embed(cfg, ckpt.get, ids, device=device)
-    pos = blocks.rotary(cfg, ids.shape[1], device=device)
-    tensors = {}
-    for i in progress(range(cfg.num_layers), desc="measure", unit="block"):
-        layer = blocks.load_block(cfg, i, ckpt.get, device=device)
-        grams, hooks = {}, []
-        for m in BLOCK_LINEARS:
-            def hook(mod, args, m=m):
-                g = gram(args[0])
-                grams[m] = g if m not in grams else grams[m] + g
-
-            hooks.append(layer.get_submodule(m).register_forward_pre_hook(hook))
-        out = blocks.run_block(layer, hidden, pos, params.batch_size)
-        for h in hooks:
-            h.remove()
-        for m in BLOCK_LINEARS:
-            name = f"{BLOCK_PREFIX}.{i}.{m}"
-            w = ckpt.get(name + ".weight").to(device)
-            try:
-                errs = output_errors(w, grams[m], sorted(params.candidate_bits), params.group_size, params.sym)
-            except QuantizerError as e:
-                raise PipelineError(str(e)) from None
-            tensors[name] = {"shape": list(w.shape), "scores": {str(b): sig(e) for b, e in errs.items()}}
-        hidden = out
-        del layer
-    return tensors
+    hook = MeasureHook(ckpt, params, device)
+    Engine(MossTTSDelayConfig.from_dict(ckpt.config()), ckpt.get, device, torch.bfloat16, params.batch_size,
+           desc="measure").run(hook, load_ids(ctx.dirs["calibrate"]))
+    return hook.tensors
 
 
 def run_measure(ctx, params: MeasureParams, out: Path) -> dict:
@@ -159,7 +160,7 @@ def load_measurement(path: Path, digest: str, cal_sha: str, params: MeasureParam
     return data
 
 
-def quantize(ctx, cfg: SensitivityConfig, device: str):
+def quantize(ctx, cfg: SensitivityConfig, device: str) -> Weights:
     if "measure" not in ctx.dirs:
         raise PipelineError(f"{ctx.profile.path}: method 'sensitivity' needs a measure stage before quantize")
     raw = (ctx.dirs["measure"] / MEASUREMENT).read_bytes()
@@ -218,20 +219,9 @@ def quantize(ctx, cfg: SensitivityConfig, device: str):
             "tensors": table,
         },
     }
-    qc = autoround_config(cfg.base_bits, g, sym, extra_config=extra_config, iters=0)
-    result = gptq_result(ckpt, quantized, qc, extra=details, reasons=reasons)
-    result.files[MEASUREMENT] = raw
-    return result
+    qc = gptq.quantization_config(cfg.base_bits, g, sym, BLOCK_PREFIX, extra_config=extra_config, iters=0)
+    return Weights(quantized, qc, reasons=reasons, details=details, files={MEASUREMENT: raw})
 
 
 def rank_text(rank: int, n_protected: int, n_total: int) -> str:
     return f"#{rank} of {n_protected} protected ({100 * rank / n_total:.0f}% of {n_total} tensors)"
-
-
-def _register() -> None:
-    from ..stages import StageSpec, register
-
-    register("measure", StageSpec(MeasureParams, "methods.sensitivity:run_measure", needs=("calibrate",)))
-
-
-_register()

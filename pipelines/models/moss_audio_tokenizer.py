@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import Checkpoint
 from ..errors import PipelineError
+from .definition import Component, Definition
 
 MODEL_TYPES = ("speech_tokenizer", "moss-audio-tokenizer")
 LINEAR_SUFFIXES = ("self_attn.in_projs.0", "self_attn.out_projs.0", "linear1", "linear2")
@@ -397,17 +399,21 @@ def decoder_linear_names(config: CodecConfig) -> list[str]:
     return names
 
 
-def component_of(tensor_name: str) -> str:
-    """Bits-per-weight component of a stored tensor (or its FP8 parts)."""
-    if tensor_name.startswith("decoder."):
-        if any(s in tensor_name for s in (".norm1.", ".norm2.", ".layer_scale_")):
-            return "decoder_norms_layerscale"
-        return "decoder_linears"
-    if tensor_name.startswith("quantizer."):
-        return "quantizer_decode" if ".in_proj." not in tensor_name and "quantizer.input_proj" not in tensor_name else "quantizer_encode"
-    if tensor_name.startswith("encoder."):
-        return "encoder"
-    return "other"
+# The decode-only artifact: what it stores and how its bits are broken down (the encoder and the
+# quantizer's input side are not part of it). Decoder Linears are counted by their stored format.
+DEFINITION = Definition(
+    name="MOSS-Audio-Tokenizer (decode path)",
+    model_types=MODEL_TYPES,
+    components=(
+        Component("quantizer_decode_path", r"^quantizer\.",
+                  "quantizer decode path (codebooks, weight-normed 1x1 convs): not a Linear, kept BF16"),
+        Component("decoder_norms_layerscale", r"^decoder\..*\.(norm[12]|layer_scale_[12])\.",
+                  "LayerNorm / LayerScale: tiny, sets every activation's scale, kept BF16"),
+        Component("decoder_linears", r"^decoder\.", "decoder Linear kept BF16"),
+    ),
+    linear_component="decoder_linears",
+    split_by_format=True,
+)
 
 
 def load_state(model: MossAudioTokenizer, get, dtype=torch.float32, quantizer_dtype=torch.float32,
@@ -425,3 +431,71 @@ def load_state(model: MossAudioTokenizer, get, dtype=torch.float32, quantizer_dt
         want = quantizer_dtype if name.startswith("quantizer.") else dtype
         model.get_submodule(owner).register_parameter(attr, nn.Parameter(t.to(want), requires_grad=False))
     return model.eval()
+
+
+# --------------------------------------------------------------------------- from a checkpoint
+
+
+def read_config(ckpt: Checkpoint) -> CodecConfig:
+    return CodecConfig.from_dict(ckpt.config(), where=str(ckpt.root / "config.json"))
+
+
+def stored_name(ckpt: Checkpoint, name: str) -> str:
+    """Older torch weight_norm saves g/v as `weight_g`/`weight_v`; both layouts load."""
+    if name in ckpt.weight_map:
+        return name
+    for new, old in ((".parametrizations.weight.original0", ".weight_g"), (".parametrizations.weight.original1", ".weight_v")):
+        if name.endswith(new) and name[: -len(new)] + old in ckpt.weight_map:
+            return name[: -len(new)] + old
+    raise PipelineError(f"{ckpt.root}: tensor {name} missing (config.json implies it)")
+
+
+@dataclass
+class Extraction:
+    kept: list[str]  # decode-path tensor names (upstream names)
+    dropped: list[str]  # encoder + quantizer input-side tensors
+    params_before: int
+    params_after: int
+    shapes: dict[str, tuple[int, ...]]  # every source tensor's shape (upstream names)
+
+    def manifest(self) -> dict:
+        groups: dict[str, int] = {}
+        for n in self.dropped:
+            parts = n.split(".")
+            g = ".".join(parts[:2]) if parts[0] == "encoder" else (
+                "quantizer.quantizers.*.in_proj" if ".in_proj." in n else "quantizer.input_proj")
+            groups[g] = groups.get(g, 0) + 1
+        return {
+            "params_before": self.params_before,
+            "params_after": self.params_after,
+            "params_dropped": self.params_before - self.params_after,
+            "dropped_groups": dict(sorted(groups.items())),
+            "dropped_tensors": sorted(self.dropped),
+        }
+
+
+def extract_decode_only(ckpt: Checkpoint, cfg: CodecConfig) -> Extraction:
+    """Check the whole source against its config (names and shapes, nothing read) and split
+    it into the decode path and what is dropped."""
+    full = tensor_specs(cfg)
+    keep = tensor_specs(cfg, decode_only=True)
+    stored = {}
+    for name, shape in sorted(full.items()):
+        s = stored_name(ckpt, name)
+        got = tuple(ckpt.shape(s))
+        if got != shape:
+            raise PipelineError(f"{ckpt.root}: tensor {s} has shape {list(got)}, config.json implies {list(shape)}")
+        stored[s] = name
+    extra = sorted(set(ckpt.weight_map) - set(stored))
+    if extra:
+        raise PipelineError(f"{ckpt.root}: unexpected tensor {extra[0]} (not in the module tree config.json describes)")
+    before = sum(math.prod(s) for s in full.values())
+    after = sum(math.prod(s) for s in keep.values())
+    return Extraction(sorted(keep), sorted(set(full) - set(keep)), before, after, full)
+
+
+def source_decoder(ckpt: Checkpoint, dtype=torch.float32) -> MossAudioTokenizer:
+    """The decode-only model straight from the source checkpoint (FP32 reference by default)."""
+    cfg = read_config(ckpt)
+    return load_state(build_empty(cfg, decode_only=True), lambda n: ckpt.get(stored_name(ckpt, n)), dtype=dtype,
+                      where=str(ckpt.root))

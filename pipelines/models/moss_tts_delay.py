@@ -14,10 +14,8 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3Model
 
 from ..errors import PipelineError
+from .definition import Component, Definition
 
-# What is quantized, declared as data (GPTQModel-style module tree). Keys are relative to
-# `language_model.layers.{i}.`; input-sharing groups say which Linears read the same input
-# and which module produces it (the norm or linear a smoothing scale folds into).
 BLOCK_PREFIX = "language_model.layers"
 BLOCK_LINEARS = (
     "self_attn.q_proj",
@@ -33,6 +31,22 @@ INPUT_GROUPS = (
     ("self_attn.v_proj", ("self_attn.o_proj",)),
     ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
     ("mlp.up_proj", ("mlp.down_proj",)),
+)
+
+DEFINITION = Definition(
+    name="MossTTSDelay",
+    model_types=("moss_tts_delay",),
+    block_prefix=BLOCK_PREFIX,
+    block_linears=BLOCK_LINEARS,
+    input_groups=INPUT_GROUPS,
+    fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
+    components=(
+        Component("backbone_linears", r"^language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.",
+                  "kept BF16 by the allocation"),
+        Component("norms", r"norm\.weight$", "norm gain: tiny and outlier-carrying, kept BF16"),
+        Component("embeddings", r"^(language_model\.embed_tokens|emb_ext)\.", "embedding table: not a Linear, kept BF16"),
+        Component("heads", r"^lm_heads\.", "output head: kept BF16 (text and audio logits are the most fragile)"),
+    ),
 )
 
 
@@ -154,19 +168,6 @@ def block_linear_shapes(config: MossTTSDelayConfig) -> dict[str, tuple[int, int]
     hd = int(lc.get("head_dim") or h // heads)
     return {"self_attn.q_proj": (heads * hd, h), "self_attn.k_proj": (kv * hd, h), "self_attn.v_proj": (kv * hd, h),
             "self_attn.o_proj": (h, heads * hd), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
-
-
-def component_of(tensor_name: str) -> str:
-    """Which bits-per-weight component a stored tensor (or its quantized parts) belongs to."""
-    if tensor_name.startswith(BLOCK_PREFIX + ".") and any(f".{m}." in tensor_name for m in BLOCK_LINEARS):
-        return "backbone_linears"
-    if "norm" in tensor_name:
-        return "norms"
-    if tensor_name.startswith(("language_model.embed_tokens", "emb_ext.")):
-        return "embeddings"
-    if tensor_name.startswith("lm_heads."):
-        return "heads"
-    return "other"
 
 
 def build_empty(config: MossTTSDelayConfig) -> MossTTSDelay:

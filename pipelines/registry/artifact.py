@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from .. import manifest
 from ..checkpoint import canonical_json, sha256_file
 from ..errors import PipelineError
 
@@ -83,25 +84,6 @@ def media_type(rel: str) -> str:
     return BUNDLE_FILE
 
 
-def read_bundle_manifest(bundle: Path) -> dict:
-    path = bundle / BUNDLE_MANIFEST_NAME
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: missing; not a bundle folder") from None
-    except ValueError as e:
-        raise PipelineError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(info, dict) or info.get("schema") != MANIFEST_SCHEMA:
-        raise PipelineError(f"{path}: schema is {info.get('schema') if isinstance(info, dict) else None!r}, "
-                            f"expected {MANIFEST_SCHEMA!r}")
-    for key in ("model", "profile", "version", "status", "files"):
-        if key not in info:
-            raise PipelineError(f"{path}: key {key!r} missing")
-    if not isinstance(info["files"], dict):
-        raise PipelineError(f"{path}: 'files' must map relative paths to {{sha256, size}}")
-    return info
-
-
 def _bundle_files(bundle: Path) -> list[str]:
     out = []
     for p in sorted(bundle.rglob("*")):
@@ -119,7 +101,8 @@ def _hex(value) -> str:
 def build_artifact(bundle: Path, force: bool = False) -> Artifact:
     """Hash every bundle file against manifest.json and describe the bundle as a ModelPack artifact."""
     bundle = Path(bundle)
-    info = read_bundle_manifest(bundle)
+    files = _bundle_files(bundle)  # refuses symlinks
+    info = manifest.verify(bundle)  # every file hashed against manifest.json, no stray or missing file
     mpath = bundle / BUNDLE_MANIFEST_NAME
     if info["status"] != "accepted" and not force:
         raise PipelineError(f"{mpath}: status is {info['status']!r}, not 'accepted'; "
@@ -128,25 +111,13 @@ def build_artifact(bundle: Path, force: bool = False) -> Artifact:
     model, profile = str(info["model"]), str(info["profile"])
     moving = check_tag(f"{model}-{profile}", f"{mpath}: model-profile tag")
 
-    files = _bundle_files(bundle)
-    listed = set(info["files"]) | {BUNDLE_MANIFEST_NAME}
-    for rel in files:
-        if rel not in listed:
-            raise PipelineError(f"{bundle / rel}: not listed in {mpath} 'files'")
-    missing = sorted(listed - set(files))
-    if missing:
-        raise PipelineError(f"{bundle / missing[0]}: listed in {mpath} 'files' but missing")
-
     layers, blobs = [], []
     # Weights first (ModelPack readers look there), then everything else; both sorted by path.
     for rel in sorted(files, key=lambda r: (media_type(r) != WEIGHT, r)):
         path = bundle / rel
-        digest, size = "sha256:" + sha256_file(path), path.stat().st_size
-        if rel != BUNDLE_MANIFEST_NAME:
-            want = info["files"][rel]
-            if not isinstance(want, dict) or _hex(want.get("sha256")) != digest[7:] or want.get("size") != size:
-                raise PipelineError(f"{path}: sha256/size differ from {mpath} 'files' "
-                                    "(changed after the bundle was written?)")
+        # verify() just hashed every listed file: use its digests instead of hashing 16 GB twice
+        sha = sha256_file(path) if rel == BUNDLE_MANIFEST_NAME else _hex(info["files"][rel]["sha256"])
+        digest, size = "sha256:" + sha, path.stat().st_size
         blobs.append(Blob(digest, size, path=path))
         layers.append({"mediaType": media_type(rel), "digest": digest, "size": size,
                        "annotations": {FILEPATH: rel, TITLE: rel}})
@@ -233,7 +204,7 @@ def parse_manifest(data: bytes, where: str) -> list[Layer]:
 
 def check_pulled(folder: Path, layers: list[Layer], where: str) -> None:
     """Every pulled file is the one the bundle's own manifest.json lists (blob digests are checked already)."""
-    info = read_bundle_manifest(folder)
+    info = manifest.read(folder)
     got = {layer.path: layer for layer in layers if layer.path != BUNDLE_MANIFEST_NAME}
     if set(got) != set(info["files"]):
         missing = sorted(set(info["files"]) ^ set(got))

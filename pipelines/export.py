@@ -1,10 +1,10 @@
-"""Versioned bundles: safetensors + config.json + recipe.yaml + manifest.json.
+"""The export stage: a versioned bundle, safetensors + config.json + recipe.yaml + manifest.json.
 
-`artifacts/<model>/<profile>/<version>/`, written to a temporary folder and renamed, never
-overwritten. The version id hashes every stage key, so the same inputs give the same id.
-Bits per weight count every stored bit — packed weights, scales, zeros, protected tensors
-and the safetensors headers — over the source's logical parameter count, and must agree
-with the bytes on disk.
+`artifacts/<model>/<profile>/<version>/`, written to a temporary folder, synced and renamed,
+never overwritten. The version id hashes every stage key, so the same inputs give the same id.
+Bits per weight count every stored bit (packed weights, scales, zeros, protected tensors and the
+safetensors headers) over the source's logical parameter count, and must agree with the bytes
+on disk.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import yaml
 
+from . import manifest
 from .atomic import publish, temporary_sibling
 from .checkpoint import canonical_json, safetensors_header, sha256_file, write_sharded
 from .errors import PipelineError
-from .models.moss_tts_delay import component_of
+from .quantize import load as load_quantized
 from .source import ARTIFACTS
 
-SCHEMA = "moss-quant/manifest/v1"
 DTYPE_BITS = {"BF16": 16, "F16": 16, "F32": 32, "I32": 32, "I64": 64, "F8_E4M3": 8, "I8": 8, "U8": 8, "BOOL": 8}
 
 
@@ -42,9 +42,10 @@ def safetensors_layout(path: Path) -> tuple[int, dict]:
 
 
 def bits_per_weight(folder: Path, files: list[str], layout: dict, source_shapes: dict[str, list[int]],
-                    component=component_of) -> dict:
-    """Effective bpw from the files on disk, with a per-component breakdown."""
+                    definition, full_source_params: int | None = None) -> dict:
+    """Effective bpw from the files on disk, with a per-component breakdown (the definition's)."""
     stored_to_source = {s: src for src, entry in layout.items() for s in entry["stored"]}
+    component = lambda src: definition.component_of(src, layout.get(src, {}).get("format"))  # noqa: E731
     comp_bits: dict[str, int] = {}
     header_bits = 0
     for fname in files:
@@ -53,9 +54,8 @@ def bits_per_weight(folder: Path, files: list[str], layout: dict, source_shapes:
         hbytes, tensors = safetensors_layout(folder / fname)
         header_bits += 8 * hbytes
         for name, info in tensors.items():
-            src = stored_to_source.get(name, name)
-            bits = DTYPE_BITS[info["dtype"]] * math.prod(info["shape"])
-            comp_bits[component(src)] = comp_bits.get(component(src), 0) + bits
+            c = component(stored_to_source.get(name, name))
+            comp_bits[c] = comp_bits.get(c, 0) + DTYPE_BITS[info["dtype"]] * math.prod(info["shape"])
     comp_params: dict[str, int] = {}
     for name, shape in source_shapes.items():
         comp_params[component(name)] = comp_params.get(component(name), 0) + math.prod(shape)
@@ -69,16 +69,22 @@ def bits_per_weight(folder: Path, files: list[str], layout: dict, source_shapes:
             "bpw": round(comp_bits.get(c, 0) / comp_params[c], 6) if comp_params.get(c) else None}
         for c in sorted(set(comp_params) | set(comp_bits))
     }
-    linear = components.get("backbone_linears", {})
-    return {
+    linear = definition.linear_component + ("_fp8" if definition.split_by_format else "")
+    out = {
         "effective": round(total_bits / total_params, 6),
-        "quantized_linear": linear.get("bpw"),
+        "quantized_linear": components.get(linear, {}).get("bpw"),
         "source_params": total_params,
         "stored_bits": total_bits,
         "header_bits": header_bits,
         "components": components,
         "definition": "every safetensors bit (weights, scales, zeros, protected tensors, headers) / source parameters",
     }
+    if full_source_params is not None:  # a decode-only artifact: also against the whole source
+        out.update(full_source_params=full_source_params,
+                   effective_vs_full_source=round(total_bits / full_source_params, 6),
+                   definition=out["definition"] + "; source = the decode path (encoder and quantizer input side "
+                                                  "dropped); effective_vs_full_source counts against the whole codec")
+    return out
 
 
 def version_id(stage_keys: dict[str, str]) -> str:
@@ -110,49 +116,38 @@ def same_payload(a: Path, b: Path) -> bool:
     the environment differs: another thread count, say)."""
     import json
 
-    fa, fb = (json.loads((p / "manifest.json").read_text()).get("files") for p in (a, b))
+    fa, fb = (json.loads((p / manifest.FILE).read_text()).get("files") for p in (a, b))
     return fa is not None and fa == fb
 
 
-def run_export(ctx, params: ExportParams, out: Path) -> dict:
-    from .methods import QUANT_META, load_quant
+def run(ctx, params: ExportParams, out: Path) -> dict:
     from .stages import code_version
 
-    tensors, meta = load_quant(ctx.dirs["quantize"])
-    src_config = ctx.checkpoint().config()
+    tensors, meta = load_quantized(ctx.dirs["quantize"])
+    ckpt = ctx.checkpoint()
     stage_keys = {k: v for k, v in ctx.keys.items() if k != "export"}
     version = version_id(stage_keys)
-    dest = (ctx.bundle_root if getattr(ctx, "bundle_root", None) else ARTIFACTS / ctx.spec.name / ctx.profile.name) / version
+    folder = ctx.bundle_root if getattr(ctx, "bundle_root", None) else ARTIFACTS / ctx.spec.name / ctx.profile.name
     gate = ctx.results.get("gate", {"status": "unchecked", "checks": []})
-    ckpt = ctx.checkpoint()
-    source_shapes = {k: ckpt.shape(k) for k in ckpt.keys()}
-    component, finish_bpw = component_of, None
-    if ctx.spec.kind == "codec":  # decode-only artifact: counted against the decode path (pipelines/codec.py)
-        from .codec import bpw_basis
-
-        source_shapes, component, finish_bpw = bpw_basis(ckpt, meta["layout"])
-
+    kept = meta.get("kept")
+    source_shapes = kept if kept is not None else {k: ckpt.shape(k) for k in ckpt.keys()}
     environment = ctx.environments["quantize"]  # where the weights were made
 
     def build(tmp: Path):
         files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
-        config = dict(src_config)
+        config = dict(ckpt.config())
         config.update(meta["config"], quantization_config=meta["quantization_config"])
         (tmp / "config.json").write_text(canonical_json(config, indent=2))
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=False))  # stage order matters
-        files += ["config.json", "recipe.yaml"]
         for name in meta["files"]:
             shutil.copyfile(ctx.dirs["quantize"] / name, tmp / name)
-            files.append(name)
-        for stage, folder in ctx.dirs.items():  # report/ folders from earlier stages (e.g. WAVs)
-            if (folder / "report").is_dir():
-                shutil.copytree(folder / "report", tmp / "report", dirs_exist_ok=True)
+        for folder_ in ctx.dirs.values():  # report/ folders from earlier stages (decoded WAVs)
+            if (folder_ / "report").is_dir():
+                shutil.copytree(folder_ / "report", tmp / "report", dirs_exist_ok=True)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        bpw = bits_per_weight(tmp, files, meta["layout"], source_shapes, component)
-        if finish_bpw:
-            bpw = finish_bpw(bpw)
-        manifest = {
-            "schema": SCHEMA,
+        bpw = bits_per_weight(tmp, files, meta["layout"], source_shapes, ctx.definition, meta.get("source_params"))
+        m = {
+            "schema": manifest.SCHEMA,
             "model": ctx.spec.name,
             "kind": ctx.spec.kind,
             "profile": ctx.profile.name,
@@ -162,7 +157,6 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
             "source": ctx.spec.pins(),
             "calibration": ctx.results.get("calibrate"),
             "evaluation": ctx.results.get("evaluate"),
-            "validation": ctx.results.get("validate"),
             "stages": ctx.profile.resolved()["stages"],
             "stage_keys": stage_keys,
             "seed": ctx.seed,
@@ -176,28 +170,9 @@ def run_export(ctx, params: ExportParams, out: Path) -> dict:
             "protected": sorted(k for k, v in meta["layout"].items() if v["format"] == "bf16"),
             "bits_per_weight": bpw,
         }
-        (tmp / "manifest.json").write_text(canonical_json(manifest, indent=2))
+        (tmp / manifest.FILE).write_text(canonical_json(m, indent=2))
 
-    path = write_bundle(dest, build)
+    path = write_bundle(folder / version, build)
+    manifest.record(folder, version)
     ctx.bundle = path
     return {"bundle": str(path.name), "status": gate["status"]}
-
-
-def verify_bundle(path: Path) -> dict:
-    """Re-hash every file named in the manifest; refuse on any mismatch or stray file."""
-    from .loader import read_manifest
-
-    path = Path(path)
-    manifest = read_manifest(path)
-    for name, info in sorted(manifest["files"].items()):
-        f = path / name
-        if not f.is_file():
-            raise PipelineError(f"{f}: missing (listed in manifest.json)")
-        if f.stat().st_size != info["size"] or sha256_file(f) != info["sha256"]:
-            raise PipelineError(f"{f}: content does not match manifest.json (size or sha256)")
-    return manifest
-
-
-def bundles_of(model: str, profile: str, root: Path = ARTIFACTS) -> list[Path]:
-    folder = Path(root) / model / profile
-    return sorted((p for p in folder.glob("v1-*") if (p / "manifest.json").exists()), key=lambda p: p.stat().st_mtime)

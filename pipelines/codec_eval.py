@@ -1,10 +1,9 @@
-"""Decode-only MOSS-Audio-Tokenizer artifacts: extraction, validation code set, parity metrics,
-WAV output and the loader.
+"""The evaluate stage for the codec: the seed's golden protocol, automated.
 
-The seed's golden protocol, automated: decode a fixed, versioned set of code sequences with
-the FP32 source decoder and with the artifact (FP8 weights dequantized to BF16, BF16 compute),
-then compare waveforms: sample-count parity, PCM mean/max absolute difference, SNR and a
-log-mel spectral distance.
+A fixed, versioned set of code sequences (all 32 codebooks) is decoded by the FP32 source decoder
+and by the artifact (FP8 weights dequantized to BF16, BF16 compute); the waveforms are compared:
+sample-count parity, PCM mean/max absolute difference, SNR and a log-mel spectral distance. A few
+decodes are written as WAVs so a person can listen.
 """
 from __future__ import annotations
 
@@ -18,140 +17,14 @@ from pathlib import Path
 import torch
 import yaml
 
-from quantizers.errors import QuantizerError
-from quantizers.fp8 import FP8_DTYPE, dequantize_fp8
-
 from . import portable_random as rnd
-from .checkpoint import Checkpoint, canonical_json
+from .checkpoint import canonical_json
 from .errors import PipelineError
-from .models.moss_audio_tokenizer import CodecConfig, MossAudioTokenizer, build_empty, load_state, tensor_specs
+from .models.moss_audio_tokenizer import CodecConfig, MossAudioTokenizer, read_config, source_decoder
 from .source import CONFIGS
 
 VALIDATION_SET = "codec-validation-v1"
 SNR_CAP_DB = 300.0  # identical signals: a finite stand-in for +inf (JSON has no inf)
-
-
-# --------------------------------------------------------------------------- source and extraction
-
-
-def read_config(ckpt: Checkpoint) -> CodecConfig:
-    return CodecConfig.from_dict(ckpt.config(), where=str(ckpt.root / "config.json"))
-
-
-def stored_name(ckpt: Checkpoint, name: str) -> str:
-    """Older torch weight_norm saves g/v as `weight_g`/`weight_v`; both layouts load."""
-    if name in ckpt.weight_map:
-        return name
-    for new, old in ((".parametrizations.weight.original0", ".weight_g"), (".parametrizations.weight.original1", ".weight_v")):
-        if name.endswith(new) and name[: -len(new)] + old in ckpt.weight_map:
-            return name[: -len(new)] + old
-    raise PipelineError(f"{ckpt.root}: tensor {name} missing (config.json implies it)")
-
-
-@dataclass
-class Extraction:
-    kept: list[str]  # decode-path tensor names (upstream names)
-    dropped: list[str]  # encoder + quantizer input-side tensors
-    params_before: int
-    params_after: int
-
-    def manifest(self) -> dict:
-        groups: dict[str, int] = {}
-        for n in self.dropped:
-            parts = n.split(".")
-            g = ".".join(parts[:2]) if parts[0] == "encoder" else (
-                "quantizer.quantizers.*.in_proj" if ".in_proj." in n else "quantizer.input_proj")
-            groups[g] = groups.get(g, 0) + 1
-        return {
-            "params_before": self.params_before,
-            "params_after": self.params_after,
-            "params_dropped": self.params_before - self.params_after,
-            "dropped_groups": dict(sorted(groups.items())),
-            "dropped_tensors": sorted(self.dropped),
-        }
-
-
-def extract_decode_only(ckpt: Checkpoint, cfg: CodecConfig) -> Extraction:
-    """Check the whole source against its config (names and shapes, nothing read) and split
-    it into the decode path and what is dropped."""
-    full = tensor_specs(cfg)
-    keep = tensor_specs(cfg, decode_only=True)
-    stored = {}
-    for name, shape in sorted(full.items()):
-        s = stored_name(ckpt, name)
-        got = tuple(ckpt.shape(s))
-        if got != shape:
-            raise PipelineError(f"{ckpt.root}: tensor {s} has shape {list(got)}, config.json implies {list(shape)}")
-        stored[s] = name
-    extra = sorted(set(ckpt.weight_map) - set(stored))
-    if extra:
-        raise PipelineError(f"{ckpt.root}: unexpected tensor {extra[0]} (not in the module tree config.json describes)")
-    before = sum(math.prod(s) for s in full.values())
-    after = sum(math.prod(s) for s in keep.values())
-    return Extraction(sorted(keep), sorted(set(full) - set(keep)), before, after)
-
-
-def source_decoder(ckpt: Checkpoint, dtype=torch.float32) -> MossAudioTokenizer:
-    """The decode-only model straight from the source checkpoint (FP32 reference by default)."""
-    cfg = read_config(ckpt)
-    return load_state(build_empty(cfg, decode_only=True), lambda n: ckpt.get(stored_name(ckpt, n)), dtype=dtype,
-                      where=str(ckpt.root))
-
-
-# --------------------------------------------------------------------------- artifact -> runnable decoder
-
-
-def decoder_from_tensors(cfg: CodecConfig, tensors, dtype=torch.bfloat16, where: str = "bundle") -> MossAudioTokenizer:
-    """Build the decoder from stored tensors (anything with `keys()` and `[name]`): `X.weight` in
-    float8_e4m3fn with `X.weight_scale` is dequantized to `dtype`; everything else is cast."""
-    names, get = set(tensors.keys()), tensors.__getitem__
-    model = build_empty(cfg, decode_only=True)
-    expected = dict(model.named_parameters())
-    extra = sorted(names - set(expected) - {n + "_scale" for n in expected})
-    if extra:
-        raise PipelineError(f"{where}: unexpected tensor {extra[0]} (not part of the decode-only codec)")
-
-    def fetch(name):
-        if name not in names:
-            raise PipelineError(f"{where}: tensor {name} missing")
-        t = get(name)
-        if t.dtype == FP8_DTYPE:
-            if name + "_scale" not in names:
-                raise PipelineError(f"{where}: tensor {name} is float8 but {name}_scale is missing")
-            try:
-                return dequantize_fp8(t, get(name + "_scale"), dtype, name=name)
-            except QuantizerError as e:
-                raise PipelineError(f"{where}: {e}") from None
-        return t
-
-    return load_state(model, fetch, dtype=dtype, where=where)
-
-
-def load_codec_bundle(path: str | Path, dtype=torch.bfloat16, verify: bool = True) -> MossAudioTokenizer:
-    """Load an FP8 codec bundle: files re-hashed against the manifest (when present), FP8
-    weights dequantized to `dtype`; returns a runnable decoder (`.decode(codes)`)."""
-    path = Path(path)
-    if verify and (path / "manifest.json").exists():
-        from .bundle import verify_bundle
-
-        verify_bundle(path)
-    ckpt = Checkpoint(path)
-    qc = ckpt.config().get("quantization_config") or {}
-    if qc and qc.get("quant_method") != "compressed-tensors":
-        raise PipelineError(f"{path / 'config.json'}: quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
-    # Checkpoint.get checks finiteness; fp8 weights pass through .float() for that.
-    return decoder_from_tensors(read_config(ckpt), _CheckpointView(ckpt), dtype=dtype, where=str(path))
-
-
-class _CheckpointView:
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-
-    def keys(self):
-        return self.ckpt.weight_map.keys()
-
-    def __getitem__(self, name):
-        return self.ckpt.get(name)
 
 
 # --------------------------------------------------------------------------- validation code set
@@ -338,11 +211,11 @@ def read_wav(path: Path) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(np.frombuffer(data, dtype="<i2").astype("float32") / 32767), sr
 
 
-# --------------------------------------------------------------------------- pipeline stage
+# --------------------------------------------------------------------------- the stage
 
 
 @dataclass
-class ValidateParams:
+class CodecEvaluateParams:
     dataset: str = VALIDATION_SET
     dtype: str = "bfloat16"  # what the artifact dequantizes to at load (and computes in)
     bf16_baseline: bool = True  # also score the unquantized source in `dtype`: splits FP8 error from compute error
@@ -371,9 +244,9 @@ def gate_metrics(overall: dict) -> dict:
     return _rounded(m)
 
 
-def run_validate(ctx, params: ValidateParams, out: Path) -> dict:
+def run(ctx, params: CodecEvaluateParams, out: Path) -> dict:
     """Decode the validation set with the FP32 source and the quantize stage's tensors."""
-    from .methods import load_quant
+    from .loader import codec_decoder, stage_view
 
     ckpt = ctx.checkpoint()
     cfg = read_config(ckpt)
@@ -381,8 +254,7 @@ def run_validate(ctx, params: ValidateParams, out: Path) -> dict:
     check_set_matches(vset, cfg)
     dtype = getattr(torch, params.dtype)
     refs = decode_set(source_decoder(ckpt, torch.float32), vset)
-    tensors, _ = load_quant(ctx.dirs["quantize"])
-    tests = decode_set(decoder_from_tensors(cfg, tensors, dtype=dtype, where="quantize stage"), vset)
+    tests = decode_set(codec_decoder(cfg, stage_view(ctx.dirs["quantize"]), dtype=dtype, where="quantize stage"), vset)
     result = compare(refs, tests, cfg.sampling_rate)
     report = {
         "dataset": {"name": vset.name, "sha256": vset.sha256, "sequences": dict(zip(vset.names, (list(c.shape) for c in vset.codes)))},
@@ -404,27 +276,3 @@ def run_validate(ctx, params: ValidateParams, out: Path) -> dict:
             wavs.append(fname)
     report["wav"] = wavs
     return report
-
-
-def bpw_basis(ckpt: Checkpoint, layout: dict):
-    """How a decode-only codec bundle's bits per weight are counted: (decode-path source
-    shapes, component function, finish(bpw) adding the full-source figure and the FP8 rate)."""
-    cfg = read_config(ckpt)
-    shapes = {n: list(s) for n, s in tensor_specs(cfg, decode_only=True).items()}
-    full = sum(math.prod(s) for s in tensor_specs(cfg).values())
-
-    def component(name: str) -> str:
-        if name.startswith("quantizer."):
-            return "quantizer_decode_path"
-        if ".norm1." in name or ".norm2." in name or ".layer_scale_" in name:
-            return "decoder_norms_layerscale"
-        return "decoder_linears_fp8" if layout.get(name, {}).get("format") == "fp8" else "decoder_linears_bf16"
-
-    def finish(bpw: dict) -> dict:
-        fp8 = bpw["components"].get("decoder_linears_fp8", {})
-        return {**bpw, "quantized_linear": fp8.get("bpw"), "full_source_params": full,
-                "effective_vs_full_source": round(bpw["stored_bits"] / full, 6),
-                "definition": bpw["definition"] + "; source = the decode path (encoder and quantizer "
-                              "input side dropped); effective_vs_full_source counts against the whole codec"}
-
-    return shapes, component, finish

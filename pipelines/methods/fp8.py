@@ -10,16 +10,14 @@ from __future__ import annotations
 import torch
 
 from quantizers.errors import QuantizerError
-from quantizers.fp8 import FP8Config, quantization_config, quantize_fp8
+from quantizers.formats import fp8_channel, pack
+from quantizers.fp8 import FP8Config, quantize_fp8
 
-from ..codec import extract_decode_only, read_config, stored_name
 from ..errors import PipelineError
-from ..models.moss_audio_tokenizer import CodecConfig, TransformerSpec, decoder_linear_names
+from ..models.moss_audio_tokenizer import (CodecConfig, TransformerSpec, decoder_linear_names, extract_decode_only,
+                                           read_config, stored_name)
 from ..progress import progress
-from . import QuantResult
-
-CONFIG = FP8Config
-NEEDS_CALIBRATION = False
+from .weights import Weights
 
 REASONS = {
     "norm": "LayerNorm: tiny, sets every activation's scale, kept BF16",
@@ -45,13 +43,13 @@ def resolve_keep(cfg: CodecConfig, keep: tuple[str, ...]) -> list[str]:
     return sorted(set(out))
 
 
-def quantize(ctx, cfg: FP8Config, device: str) -> QuantResult:
+def quantize(ctx, cfg: FP8Config, device: str) -> Weights:
     ckpt = ctx.checkpoint()
     ccfg = read_config(ckpt)
     extraction = extract_decode_only(ckpt, ccfg)
     keep = resolve_keep(ccfg, tuple(cfg.keep_bf16))
     targets = set(decoder_linear_names(ccfg)) - set(keep)
-    tensors, layout, errors = {}, {}, []
+    packed, kept_bf16, reasons, errors = {}, {}, {}, []
     for name in progress(extraction.kept, desc="fp8", unit="tensor"):
         w = ckpt.get(stored_name(ckpt, name))
         module = name.removesuffix(".weight")
@@ -60,18 +58,15 @@ def quantize(ctx, cfg: FP8Config, device: str) -> QuantResult:
                 q = quantize_fp8(w.to(device), cfg, name=name)
             except QuantizerError as e:
                 raise PipelineError(str(e)) from None
-            tensors[name], tensors[name + "_scale"] = q.weight.cpu(), q.weight_scale.cpu()
+            packed[module] = pack(q, "fp8")
             err = ((q.dequantize(torch.float32).cpu() - w.float()).norm() / w.float().norm().clamp(min=1e-30)).item()
             errors.append((err, name))
-            layout[name] = {"format": "fp8", "bits": 8, "scale": "per-output-channel float32 [out, 1]",
-                            "stored": [name, name + "_scale"]}
         else:
-            tensors[name] = w.to(torch.bfloat16)
-            reason = (REASONS["keep"] if module in keep else REASONS["quantizer"] if name.startswith("quantizer.")
-                      else REASONS["layer_scale"] if ".layer_scale_" in name else REASONS["norm"])
-            layout[name] = {"format": "bf16", "bits": 16, "stored": [name], "reason": reason}
+            kept_bf16[name] = w  # read under its stored (possibly legacy weight_g/weight_v) name
+            reasons[name] = (REASONS["keep"] if module in keep else REASONS["quantizer"] if name.startswith("quantizer.")
+                             else REASONS["layer_scale"] if ".layer_scale_" in name else REASONS["norm"])
     errors.sort(reverse=True)
-    extra = {
+    details = {
         "decode_only": extraction.manifest(),
         "fp8": {
             "format": "float8_e4m3fn", "scale": "amax/448 per output channel, float32, axis 0", "targets": len(targets),
@@ -82,5 +77,6 @@ def quantize(ctx, cfg: FP8Config, device: str) -> QuantResult:
     }
     # The FP32 source's dtype no longer describes the artifact: it loads as BF16.
     dtype_keys = {k: "bfloat16" for k in ("dtype", "torch_dtype") if k in ckpt.config()}
-    return QuantResult(tensors=tensors, quantization_config=quantization_config(keep), layout=layout, extra=extra,
-                       config=dtype_keys)
+    return Weights(packed, fp8_channel.quantization_config(keep), replaced=kept_bf16, reasons=reasons, details=details,
+                   config=dtype_keys, kept={n: list(extraction.shapes[n]) for n in extraction.kept},
+                   source_params=extraction.params_before)

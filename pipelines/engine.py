@@ -1,0 +1,140 @@
+"""The layer-sequential engine: the one loop over the generator's decoder blocks.
+
+It streams blocks from a tensor getter (the pinned checkpoint read on demand, or a dequantizing
+view of a bundle): one block and the batch in flight on the device, the activations of the whole
+calibration set and one block on the host, never the whole backbone. Block i runs on block i-1's
+output. Two streams can flow side by side:
+
+  fp     the source model's activations (what AWQ, the sensitivity measurement and the reference
+         side of an evaluation read),
+  quant  the activations of the model quantized so far (auto-round's inputs, the candidate side
+         of an evaluation).
+
+A method hooks into the loop (llm-compressor's layer_sequential pattern): the engine runs block i
+on the fp stream, capturing the inputs of the Linears the hook asks for (statistics in that one
+pass), then calls `hook.on_block(step)`. The hook searches, tunes or measures the block, may
+change it in place, and returns the block's output on the quant stream when it computed it (or
+the quantized block, which the engine then runs on the quant stream itself).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from .models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig
+from .progress import progress
+
+Getter = Callable[[str], torch.Tensor]
+FP, QUANT = "fp", "quant"
+
+
+def embed(cfg: MossTTSDelayConfig, get: Getter, ids: torch.Tensor, dtype=torch.bfloat16, device="cpu") -> torch.Tensor:
+    """(N, S, 1 + n_vq) ids -> (N, S, H): the text embedding plus the n_vq audio embeddings, the
+    block-0 input. The tables are read for this and dropped."""
+    ids = ids.to(device)
+    x = nn.functional.embedding(ids[..., 0], get("language_model.embed_tokens.weight").to(device, dtype))
+    for k in range(cfg.n_vq):
+        x = x + nn.functional.embedding(ids[..., k + 1], get(f"emb_ext.{k}.weight").to(device, dtype))
+    return x
+
+
+def load_block(cfg: MossTTSDelayConfig, i: int, get: Getter, dtype=torch.bfloat16, device="cpu") -> Qwen3DecoderLayer:
+    with torch.device("meta"):
+        layer = Qwen3DecoderLayer(cfg.qwen3(), layer_idx=i)
+    prefix = f"{BLOCK_PREFIX}.{i}."
+    layer.load_state_dict({name: get(prefix + name).to(device, dtype) for name, _ in layer.named_parameters()},
+                          assign=True)
+    return layer.eval().requires_grad_(False)
+
+
+def rotary(cfg: MossTTSDelayConfig, seqlen: int, dtype=torch.bfloat16, device="cpu"):
+    with torch.device(device):
+        rope = Qwen3RotaryEmbedding(config=cfg.qwen3())
+    return rope(torch.zeros(1, seqlen, 1, dtype=dtype, device=device), torch.arange(seqlen, device=device)[None])
+
+
+def final_norm(cfg: MossTTSDelayConfig, get: Getter, hidden: torch.Tensor) -> torch.Tensor:
+    norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.language_config.get("rms_norm_eps", 1e-6))
+    norm.weight = nn.Parameter(get("language_model.norm.weight").to(hidden.device, hidden.dtype), requires_grad=False)
+    return norm(hidden)
+
+
+@dataclass
+class Step:
+    """What a hook sees of block `index`."""
+
+    index: int
+    layer: nn.Module  # the block with the source weights, on the device (a hook may change it)
+    fp_in: torch.Tensor  # (N, S, H) fp-stream input (host)
+    fp_out: torch.Tensor  # the source block's output on fp_in (host)
+    quant_in: torch.Tensor | None  # quant-stream input (host), when the hook reads that stream
+    captured: dict[str, torch.Tensor]  # Linear name -> its inputs on the fp stream (device)
+    position_embeddings: tuple
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # the engine's batched forward of a block
+
+
+class BlockHook(Protocol):
+    streams: tuple[str, ...]  # FP, and QUANT if the hook reads the quantized stream
+    capture: tuple[str, ...]  # Linear names (relative to the block) whose fp-stream inputs it needs
+    # Or, instead of keeping inputs: `observed` names and `observe(block, name, batch_input)`.
+
+    def on_block(self, step: Step) -> torch.Tensor | nn.Module | None: ...
+
+
+@dataclass
+class Engine:
+    cfg: MossTTSDelayConfig
+    get: Getter  # source tensors
+    device: str = "cpu"
+    dtype: torch.dtype = torch.bfloat16
+    batch_size: int = 8
+    desc: str = "blocks"
+    last: dict = field(default_factory=dict)  # the final hidden states of each stream after run()
+
+    @torch.no_grad()
+    def forward(self, layer: nn.Module, hidden: torch.Tensor, pos, observe: dict | None = None) -> torch.Tensor:
+        """The block on `hidden` (host), `batch_size` sequences at a time on the device; each
+        batch's input of a Linear named in `observe` is handed to its callable."""
+        hooks = []
+        for name, fn in (observe or {}).items():
+            hooks.append(layer.get_submodule(name).register_forward_pre_hook(lambda mod, args, fn=fn: fn(args[0])))
+        outs = []
+        try:
+            for s in range(0, hidden.shape[0], self.batch_size):
+                h = hidden[s:s + self.batch_size].to(self.device, non_blocking=True)
+                out = layer(h, attention_mask=None, position_embeddings=pos, position_ids=None)
+                outs.append((out[0] if isinstance(out, tuple) else out).to(hidden.device))
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.cat(outs)
+
+    def run(self, hook: BlockHook, ids: torch.Tensor, quant_get: Getter | None = None) -> None:
+        """Every block once, in order, through `hook`. The quant stream starts from the same
+        embeddings, or from `quant_get`'s when the candidate model has its own."""
+        host = "cpu"
+        fp = embed(self.cfg, self.get, ids, self.dtype, self.device).to(host)
+        quant = None
+        if QUANT in hook.streams:
+            quant = embed(self.cfg, quant_get, ids, self.dtype, self.device).to(host) if quant_get else fp.clone()
+        pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
+        run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
+        for i in progress(range(self.cfg.num_layers), desc=self.desc, unit="block"):
+            layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
+            stores = {name: [] for name in hook.capture}
+            observe = {name: store.append for name, store in stores.items()}
+            if hasattr(hook, "observe"):  # statistics accumulated per batch instead of inputs kept
+                observe = {name: (lambda x, name=name: hook.observe(i, name, x)) for name in hook.observed}
+            fp_out = self.forward(layer, fp, pos, observe)
+            captured = {name: torch.cat(v) for name, v in stores.items()}
+            out = hook.on_block(Step(i, layer, fp, fp_out, quant, captured, pos, run))
+            del captured, stores
+            if quant is not None:
+                quant = self.forward(out, quant, pos) if isinstance(out, nn.Module) else out
+            fp = fp_out
+            del layer
+        self.last = {FP: fp, QUANT: quant}

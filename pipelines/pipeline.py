@@ -1,0 +1,20 @@
+"""The stages, as data for the runner (pipelines/stages.py), in the order data flows:
+sources -> calibrate -> measure -> quantize -> evaluate -> gate -> export. A profile lists a
+subset of them, in this order."""
+from __future__ import annotations
+
+from . import calibration, codec_eval, evaluate, export, gate, quantize
+from .methods import sensitivity
+from .stages import StageSpec
+
+STAGES = {
+    "calibrate": StageSpec(calibration.run_calibrate, calibration.CalibrateParams),
+    "measure": StageSpec(sensitivity.run_measure, sensitivity.MeasureParams, needs=("calibrate",)),
+    "quantize": StageSpec(quantize.run, parse=quantize.parse, reads=("calibrate", "measure")),
+    # The generator is judged teacher-forced against BF16; the codec by decoding against FP32.
+    "evaluate": StageSpec({"generator": evaluate.run, "codec": codec_eval.run},
+                          {"generator": evaluate.EvaluateParams, "codec": codec_eval.CodecEvaluateParams}, needs=("quantize",)),
+    "gate": StageSpec(gate.run_gate, gate.GateParams, needs=("evaluate",)),
+    "export": StageSpec(export.run, export.ExportParams, needs=("quantize",), reads=("calibrate", "measure", "evaluate", "gate"),
+                        cached=False),
+}
