@@ -73,9 +73,11 @@ def check_plan(prof, spec, path: Path) -> None:
                                         f"of {linear} ({spec.name}'s config.json)")
 
 
-def newest(model: str, profile: str, root: Path = ARTIFACTS) -> Path:
-    """The newest bundle of MODEL/PROFILE (a generator's codec profile: its companion codec's)."""
-    found = manifest.newest(Path(root) / model_for(profile, model).name / profile) if model and profile else None
+def newest(model: str, profile: str, root: Path | None = None) -> Path:
+    """The newest bundle of MODEL/PROFILE (a generator's codec profile: its companion codec's), by the
+    build order export records."""
+    root = Path(root) if root else ARTIFACTS
+    found = manifest.newest(root / model_for(profile, model).name / profile) if model and profile else None
     if found is None:
         raise PipelineError(f"{model}/{profile}: no bundle under artifacts/{model}/{profile}/ "
                             "(expected MODEL/PROFILE with a built bundle; run make quantize first)")

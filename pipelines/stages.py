@@ -83,8 +83,10 @@ def _graph():
 
 @lru_cache(maxsize=None)
 def stage_code(module: str) -> str:
-    """The code a stage runs: its module's import closure, and the numeric libraries' versions."""
-    h = hashlib.sha256(code_digest(ROOT, sorted(closure(_graph(), module))).encode())
+    """The code a stage runs: its module's import closure, and the numeric libraries' versions (a
+    stage function from outside the project, a test's stand-in say, contributes its project imports only)."""
+    graph = _graph()
+    h = hashlib.sha256(code_digest(ROOT, sorted(m for m in closure(graph, module) if m in graph)).encode())
     h.update(canonical_json(library_versions()).encode())
     return h.hexdigest()
 

@@ -1,5 +1,4 @@
 import json
-import math
 import shutil
 
 import pytest
@@ -131,19 +130,20 @@ def test_truncated_shard_is_named(tiny_path, tmp_path, monkeypatch):
 
 
 def test_interrupted_run_resumes_at_the_unfinished_stage(tmp_path, monkeypatch, capsys):
-    import pipelines.evaluate as evaluate
+    import dataclasses
 
-    real = evaluate.run_evaluate
+    from pipelines.pipeline import STAGES
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(evaluate, "run_evaluate", boom)
+    real = STAGES["evaluate"]
+    monkeypatch.setitem(STAGES, "evaluate", dataclasses.replace(real, run={"generator": boom}))
     with pytest.raises(KeyboardInterrupt):
         build("rtn4", "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not list((tmp_path / "cache").rglob("*.tmp-*"))
-    monkeypatch.setattr(evaluate, "run_evaluate", real)
+    monkeypatch.setitem(STAGES, "evaluate", real)
     capsys.readouterr()
     ctx = build("rtn4", "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "out")
     err = capsys.readouterr().err

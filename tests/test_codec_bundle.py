@@ -162,7 +162,9 @@ def test_decoder_shape_mismatch_fails_cleanly(tiny, tmp_path, monkeypatch):
     t["decoder.2.transformer.layers.0.self_attn.in_projs.0.weight"] = torch.zeros(96, 64)
     save_file(t, str(bad / "model.safetensors"))
     (bad / "config.json").write_text((tiny / "config.json").read_text())
-    monkeypatch.setattr(source, "verify", lambda spec, path: {})  # a user who pinned a broken snapshot
+    import pipelines.api
+
+    monkeypatch.setattr(pipelines.api, "verify", lambda spec, path: {})  # a user who pinned a broken snapshot
     with pytest.raises(PipelineError) as e:
         build("codec-fp8", "codec-tiny", model_path=bad, cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
     msg = str(e.value)

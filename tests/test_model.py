@@ -32,6 +32,13 @@ def test_tiny_fixture_is_hard_like_a_trained_model(tiny_path):
     assert (z**4).mean() > 3.5  # heavier tails than a Gaussian (kurtosis 3)
 
 
+class _FPOnly:
+    streams, capture = (blocks.FP,), ()
+
+    def on_block(self, step):
+        return None
+
+
 def test_forward_takes_33_channels_and_matches_block_streaming(tiny_path):
     model = load_source(tiny_path, dtype=torch.float32)
     cfg = model.config
@@ -44,8 +51,12 @@ def test_forward_takes_33_channels_and_matches_block_streaming(tiny_path):
     # The layer-by-layer path every method uses gives the same logits as the module tree.
     ck = Checkpoint(tiny_path)
     get = lambda n: ck.get(n).float()
-    *_, (_, _, last) = blocks.stream_blocks(cfg, get, ids, dtype=torch.float32)
-    streamed = blocks.head_logits(cfg, get, blocks.final_norm(cfg, get, last))
+    engine = blocks.Engine(cfg, get, "cpu", torch.float32)
+    engine.run(_FPOnly(), ids)
+    h = blocks.final_norm(cfg, get, engine.last[blocks.FP])
+    streamed = [h @ get(f"lm_heads.{k}.weight").t() for k in range(cfg.n_vq + 1)]
+    for k in range(1, len(streamed)):
+        streamed[k][..., cfg.audio_pad_code] = float("-inf")
     for a, b in zip(logits, streamed):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     # the audio channels matter: changing codebook 5 changes the output

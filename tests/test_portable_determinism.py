@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -15,7 +14,7 @@ from pipelines.source import CONFIGS, ROOT
 CHILD = r"""
 import hashlib, json, sys, tempfile, torch
 from pathlib import Path
-from pipelines import calibration, codec
+from pipelines import calibration, codec_eval as codec
 from pipelines.checkpoint import sha256_file
 from pipelines.fixtures import fixture_config, write_any_fixture
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(), "files": {}}

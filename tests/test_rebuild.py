@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from pipelines.checkpoint import canonical_json, sha256_file
 from pipelines.api import build
 from pipelines.profile import known_profiles
-from pipelines.rebuild import rebuild
+from pipelines.api import rebuild
 from pipelines.source import ROOT
 
 

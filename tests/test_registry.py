@@ -215,7 +215,7 @@ def test_bundle_changed_after_writing_refused(backend, tmp_path):
     reg, _ = backend
     bundle = make_bundle(tmp_path / "bundle")
     (bundle / "recipe.yaml").write_text("name: rtn4\nbits: 3\n")
-    with pytest.raises(PipelineError, match=r"recipe.yaml: sha256/size differ"):
+    with pytest.raises(PipelineError, match=r"recipe.yaml: content does not match manifest.json"):
         push(reg, bundle)
     (bundle / "extra.txt").write_text("x")
     with pytest.raises(PipelineError, match="extra.txt: not listed"):

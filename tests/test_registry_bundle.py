@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -70,11 +71,20 @@ def test_cli_push_ls_pull(bundle, tmp_path, capsys):
 
 
 def test_cli_push_newest_bundle_of_a_profile(bundle, tmp_path, capsys, monkeypatch):
-    import pipelines.bundle
+    import pipelines.api
+    from pipelines import manifest
 
-    older = tmp_path / "older"  # listed first: bundles_of sorts oldest to newest
-    monkeypatch.setattr(pipelines.bundle, "bundles_of",
-                        lambda model, profile: [older, bundle] if (model, profile) == ("tiny", "rtn4") else [])
+    # The newest by the recorded build order (index.json), not by mtime: an older version built
+    # afterwards is recorded later, so it is "newest" only when its record says so.
+    art = tmp_path / "art"
+    shutil.copytree(bundle, art / "tiny" / "rtn4" / bundle.name)
+    older = art / "tiny" / "rtn4" / "v1-000000000000"
+    shutil.copytree(bundle, older)
+    manifest.record(art / "tiny" / "rtn4", bundle.name)
+    manifest.record(art / "tiny" / "rtn4", older.name)
+    manifest.record(art / "tiny" / "rtn4", bundle.name)  # rebuilt last: it moves to the end
+    monkeypatch.setattr(pipelines.api, "ARTIFACTS", art)
+    bundle = art / "tiny" / "rtn4" / bundle.name
     url = f"oci-layout:{tmp_path / 'registry'}"
     main(["push", "--newest", "tiny/rtn4", url, "--force"])
     assert f"pushed {bundle} to {url}" in capsys.readouterr().out

@@ -143,7 +143,7 @@ def test_codec_report_under_its_own_model_name(root):
     text = write_report("codec-tiny", root).read_text()
     t = tables(text)
     [m] = manifests(root, "codec-tiny").values()
-    assert m["kind"] == "codec" and m["evaluation"] is None
+    assert m["kind"] == "codec" and m["evaluation"]["dataset"]["name"] == "codec-validation-v1"
     [row] = t["Codec fidelity against the FP32 decode"]
     for k in CODEC_METRICS:
         assert num(row[k]) == pytest.approx(m["evaluation"]["metrics"][k], rel=1e-5), k
@@ -179,14 +179,10 @@ def test_method_baselines_and_scorer_figures_are_shown(root, tmp_path):
     art = tmp_path / "artifacts"
     shutil.copytree(root / "tiny", art / "tiny")
     figures = {"kl_audio_mean": 0.25, "top1_audio_mean": 0.75, "kl_text": 0.5}
-    shapes = {"rtn4": {"heldout": {"name": "moss-heldout-v1", "nsamples": 4, "seqlen": 128},  # awq's layout
-                       "baseline_rtn": {"quantizer": "rtn", **figures}},
-              "rtn3-strict": {"fidelity_dataset": {"name": "moss-heldout-v1", "nsamples": 2, "seqlen": 48},  # autoround's
-                              "baseline_rtn": {"method": "rtn", "metrics": figures}}}
-    for profile, details in shapes.items():
+    for profile in ("rtn4", "rtn3-strict"):  # the evaluate stage's baseline, as `baseline: rtn` records it
         f = next((art / "tiny" / profile).glob("v1-*")) / "manifest.json"
         m = json.loads(f.read_text())
-        m["method_details"] = details
+        m["evaluation"]["baseline"] = {"method": "rtn", "what": "rtn on the bundle's grid", "metrics": figures}
         if profile == "rtn4":
             m["evaluation"]["metrics"]["asr.cer"] = 0.125  # an optional scorer's figure (pipelines/scorers.py)
         f.write_text(json.dumps(m))
@@ -195,8 +191,9 @@ def test_method_baselines_and_scorer_figures_are_shown(root, tmp_path):
     assert num(fid["rtn4"]["asr.cer"]) == 0.125 and fid["rtn3-strict"]["asr.cer"] == "—"
     rows = by_profile(t["Against plain RTN on the same grid"])
     ms = manifests(art, "tiny")
-    assert rows["rtn4"]["RTN scored on"] == "moss-heldout-v1 (4×128)"
-    assert rows["rtn3-strict"]["RTN scored on"] == "moss-heldout-v1 (2×48)"
+    for p in ("rtn4", "rtn3-strict"):  # scored on the evaluate stage's own set
+        st = ms[p]["stages"]["evaluate"]
+        assert rows[p]["RTN scored on"] == f"moss-heldout-v1 ({st['nsamples']}×{st['seqlen']})"
     for p, row in rows.items():
         for k, v in figures.items():
             assert num(row[f"{k} (rtn)"]) == v

@@ -174,12 +174,12 @@ def test_gate_verdicts_are_recorded_and_a_rejected_build_exits_3(q2, q3, roots, 
     m2 = _manifest(q2)
     assert m2["status"] == "rejected" and m2["method_details"]["nominal_bits"] == 2
     # The CLI still builds it, prints `bundle:` last and exits with the gate's code.
-    import pipelines.bundle
-    import pipelines.stages
+    import pipelines.api
+    import pipelines.export
     from pipelines.cli import main
 
-    monkeypatch.setattr(pipelines.stages, "default_cache_root", lambda: roots["cache_root"])
-    monkeypatch.setattr(pipelines.bundle, "ARTIFACTS", roots["tmp"] / "cli")
+    monkeypatch.setattr(pipelines.api, "default_cache_root", lambda: roots["cache_root"])
+    monkeypatch.setattr(pipelines.export, "ARTIFACTS", roots["tmp"] / "cli")
     with pytest.raises(SystemExit) as e:
         main(["quantize", "sens-q2", "--model", "tiny"])
     assert e.value.code == 3

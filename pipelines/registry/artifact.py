@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from .. import manifest
+from .. import manifest as bundle_manifest
 from ..checkpoint import canonical_json, sha256_file
 from ..errors import PipelineError
 
@@ -29,7 +29,6 @@ BUNDLE_FILE = "application/vnd.moss-quant.bundle.file.v1.raw"
 FILEPATH = "org.cncf.model.filepath"
 TITLE = "org.opencontainers.image.title"
 VENDOR = "org.moss-quant."
-MANIFEST_SCHEMA = "moss-quant/manifest/v1"
 BUNDLE_MANIFEST_NAME = "manifest.json"
 TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
@@ -102,7 +101,7 @@ def build_artifact(bundle: Path, force: bool = False) -> Artifact:
     """Hash every bundle file against manifest.json and describe the bundle as a ModelPack artifact."""
     bundle = Path(bundle)
     files = _bundle_files(bundle)  # refuses symlinks
-    info = manifest.verify(bundle)  # every file hashed against manifest.json, no stray or missing file
+    info = bundle_manifest.verify(bundle)  # every file hashed against manifest.json, no stray or missing file
     mpath = bundle / BUNDLE_MANIFEST_NAME
     if info["status"] != "accepted" and not force:
         raise PipelineError(f"{mpath}: status is {info['status']!r}, not 'accepted'; "
@@ -204,7 +203,7 @@ def parse_manifest(data: bytes, where: str) -> list[Layer]:
 
 def check_pulled(folder: Path, layers: list[Layer], where: str) -> None:
     """Every pulled file is the one the bundle's own manifest.json lists (blob digests are checked already)."""
-    info = manifest.read(folder)
+    info = bundle_manifest.read(folder)
     got = {layer.path: layer for layer in layers if layer.path != BUNDLE_MANIFEST_NAME}
     if set(got) != set(info["files"]):
         missing = sorted(set(info["files"]) ^ set(got))
