@@ -16,7 +16,7 @@ export TRANSFORMERS_OFFLINE := 1
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[methods,registry,report,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[methods,registry,report,test,gguf]'
 	$(PY) -m pip install -q -c constraints.txt --no-deps autoawq==0.2.9
 	touch $@
 

@@ -9,7 +9,6 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from pipelines import source
 from pipelines.export import safetensors_layout
 from pipelines.checkpoint import Checkpoint
 from pipelines.api import build

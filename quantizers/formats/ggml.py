@@ -1,0 +1,96 @@
+"""ggml's legacy block types, written from our integer weights without re-quantizing them.
+
+Every type holds 32 consecutive input weights of one output row per block, in the layouts of
+ggml-common.h (gguf-py's quants.py reads them back):
+
+  Q4_0  d:f16, qs[16]           x = d * (c - 8),   c in [0, 15]      18 bytes (4.5 bpw)
+  Q4_1  d:f16, m:f16, qs[16]    x = d * c + m,     c in [0, 15]      20 bytes (5.0 bpw)
+  Q5_0  d:f16, qh:u32, qs[16]   x = d * (c - 16),  c in [0, 31]      22 bytes (5.5 bpw)
+  Q8_0  d:f16, qs:i8[32]        x = d * c,         c in [-128, 127]  34 bytes (8.5 bpw)
+
+qs[j] holds value j in its low nibble and value j + 16 in its high nibble; Q5_0's fifth bits are
+the little-endian bits of qh. A group of our grid (w = s * (q - z), s an fp16 number) spans
+group_size / 32 blocks sharing its scale, so:
+
+  Q5_0: d = s, c = q - z + 16   exact for any grid of at most 4 bits (|q - z| <= 15)
+  Q4_0: d = s, c = q - z + 8    exact where q - z stays in [-8, 7] (symmetric grids of <= 4 bits)
+  Q8_0: d = s, c = q - z        exact where q - z stays in [-128, 127] (every grid of <= 7 bits, sym 8-bit)
+  Q4_1: d = s, c = q, m = f16(-s * z)   not exact: m is rounded to float16
+
+Exact means bit for bit: ggml computes d * float(c - k) in float32, as our dequantization
+computes (q - z) * s.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import QuantizerError
+from ..rtn import IntWeight
+
+BLOCK = 32
+TYPE_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+EXACT_ORDER = ("Q4_0", "Q5_0", "Q8_0")  # the smallest exact type wins when a profile asks for "exact"
+
+
+def bits_per_weight(ggml_type: str) -> float:
+    return 8 * TYPE_BYTES[ggml_type] / BLOCK
+
+
+def _codes(iw: IntWeight) -> tuple[np.ndarray, np.ndarray]:
+    """(q - z per weight [out, in] int32, the fp16 scale of each 32-block [out, in/32])."""
+    out_f, in_f = iw.q.shape
+    if iw.group_size % BLOCK or in_f % BLOCK:
+        raise QuantizerError(f"group_size {iw.group_size} / width {in_f}: ggml blocks are 32 weights, both must be multiples")
+    zeros = iw.zeros.repeat_interleave(iw.group_size, dim=1)
+    rel = (iw.q.to(torch.int64) - zeros.to(torch.int64)).numpy().astype(np.int32)
+    scales = iw.scales.to(torch.float16).repeat_interleave(iw.group_size // BLOCK, dim=1).numpy()
+    if not np.array_equal(scales.astype(np.float32), iw.scales.repeat_interleave(iw.group_size // BLOCK, dim=1).numpy()):
+        raise QuantizerError("scales are not float16 numbers: no exact ggml block")
+    return rel, scales
+
+
+def fits(iw: IntWeight, ggml_type: str) -> bool:
+    """Whether `ggml_type` holds these integers exactly."""
+    if ggml_type == "Q4_1":
+        return False
+    lo, hi = {"Q4_0": (-8, 7), "Q5_0": (-16, 15), "Q8_0": (-128, 127)}[ggml_type]
+    rel = iw.q.to(torch.int64) - iw.zeros.repeat_interleave(iw.group_size, dim=1).to(torch.int64)
+    return bool(rel.min() >= lo and rel.max() <= hi)
+
+
+def exact_type(iw: IntWeight) -> str | None:
+    return next((t for t in EXACT_ORDER if fits(iw, t)), None)
+
+
+def _nibbles(c: np.ndarray) -> np.ndarray:
+    """[n, 32] values in [0, 15] -> [n, 16] bytes: value j low, value j + 16 high."""
+    c = c.astype(np.uint8)
+    return c[:, :16] | (c[:, 16:] << np.uint8(4))
+
+
+def pack(iw: IntWeight, ggml_type: str) -> np.ndarray:
+    """[out, in/32 * type bytes] uint8: the rows of the tensor as ggml blocks."""
+    out_f, in_f = iw.q.shape
+    if ggml_type != "Q4_1" and not fits(iw, ggml_type):
+        raise QuantizerError(f"{ggml_type} cannot hold this {iw.bits}-bit grid exactly (sym={iw.sym})")
+    rel, d = _codes(iw)
+    n = out_f * in_f // BLOCK
+    rel, d = rel.reshape(n, BLOCK), d.reshape(n, 1)
+    dbytes = d.view(np.uint8).reshape(n, 2)
+    if ggml_type == "Q4_0":
+        body = [dbytes, _nibbles(rel + 8)]
+    elif ggml_type == "Q5_0":
+        c = (rel + 16).astype(np.uint8)
+        qh = np.packbits((c >> np.uint8(4)) & np.uint8(1), axis=-1, bitorder="little").reshape(n, 4)
+        body = [dbytes, qh, _nibbles(c & np.uint8(0xF))]
+    elif ggml_type == "Q8_0":
+        body = [dbytes, rel.astype(np.int8).view(np.uint8)]
+    elif ggml_type == "Q4_1":
+        q = iw.q.numpy().astype(np.int32).reshape(n, BLOCK)
+        z = iw.zeros.repeat_interleave(iw.group_size // BLOCK, dim=1).numpy().reshape(n, 1).astype(np.float32)
+        m = (-d.astype(np.float32) * z).astype(np.float16)
+        body = [dbytes, m.view(np.uint8).reshape(n, 2), _nibbles(q)]
+    else:
+        raise QuantizerError(f"ggml type {ggml_type!r} is not written here (known: {', '.join(TYPE_BYTES)})")
+    return np.concatenate(body, axis=1).reshape(out_f, in_f // BLOCK * TYPE_BYTES[ggml_type])
