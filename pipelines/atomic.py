@@ -76,6 +76,27 @@ def publish(tmp: Path, dest: Path, replace: bool = True) -> None:
 
 
 @contextmanager
+def atomic_file(dest: Path):
+    """Yield a temporary path next to `dest`; when the block ends without an error it is synced and
+    renamed to `dest` (which must not exist yet: files this project publishes are never replaced)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    clean_orphans(dest.parent)
+    if dest.exists():
+        raise FileExistsError(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+@contextmanager
 def atomic_folder(dest: Path, replace: bool = True):
     """Yield an empty temporary folder next to `dest`; when the block ends without an error it
     becomes `dest` in one rename (replacing an existing `dest` when `replace`). On any error, or

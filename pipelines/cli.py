@@ -151,6 +151,34 @@ def cmd_export_backbone(args):
     print(f"backbone: {export_backbone(args.bundle, args.dest)}")
 
 
+def cmd_export_gguf(args):
+    from . import manifest
+    from .atomic import atomic_file
+    from .gguf_export import GGUFParams, write_gguf
+    from .loader import bundle_view
+    from .profile import build_params
+    from .source import load_model_spec
+
+    bundle, dest = Path(args.bundle), Path(args.dest)
+    if dest.exists():
+        raise PipelineError(f"{dest}: already exists; choose a new file")
+    params = build_params(GGUFParams, {"linear": args.linear, "embeddings": args.embeddings, "heads": args.heads},
+                          "export-gguf")
+    m = manifest.verify(bundle)
+    view, config = bundle_view(bundle)
+    spec = load_model_spec(m["model"])
+    snapshot = None
+    if config.get("model_type") == "moss_tts_delay":  # the tokenizer comes from the pinned snapshot
+        from .source import resolve_path
+
+        snapshot = resolve_path(spec, args.model_path)
+    prov = {"source": f"{m['source']['repo']}@{m['source']['revision']}", "profile": m["profile"], "bundle": m["version"]}
+    with atomic_file(dest) as tmp:
+        record = write_gguf(view, config, snapshot, bool(spec.fixture), params, tmp, prov)
+    inexact = f", {len(record['inexact'])} tensors not bit-exact ({', '.join(record['inexact'][:3])}…)" if record["inexact"] else ""
+    print(f"gguf: {dest} ({record['effective_bpw']} bits per weight{inexact})")
+
+
 def _model(p):
     p.add_argument("--model", default="moss-tts", help="model YAML under configs/models (default: the real moss-tts)")
     p.add_argument("--model-path", help="local snapshot folder (overrides the model YAML's path, the env and the HF cache)")
@@ -214,6 +242,14 @@ def parser() -> argparse.ArgumentParser:
              "(transformers-loadable)")
     sp.add_argument("bundle", help="a generator bundle folder")
     sp.add_argument("dest", help="new folder for the Qwen3ForCausalLM backbone")
+    sp = add("export-gguf", cmd_export_gguf, "write a generator bundle as one moss-tts-delay GGUF (llama.cpp), "
+             "its integers carried into ggml blocks")
+    sp.add_argument("bundle", help="a generator bundle folder")
+    sp.add_argument("dest", help="the new .gguf file")
+    sp.add_argument("--linear", default="exact", help="block Linears: exact (default), Q4_0, Q4_1, Q5_0 or Q8_0")
+    sp.add_argument("--embeddings", default="BF16", help="embedding tables: BF16 (default, exact), F16 or Q8_0")
+    sp.add_argument("--heads", default="BF16", help="output heads: BF16 (default, exact), F16 or Q8_0")
+    sp.add_argument("--model-path", help="local snapshot of the pinned source (its tokenizer.json)")
     return p
 
 

@@ -141,11 +141,17 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(ctx.profile.resolved(), sort_keys=False))  # stage order matters
         for name in meta["files"]:
             shutil.copyfile(ctx.dirs["quantize"] / name, tmp / name)
-        for folder_ in ctx.dirs.values():  # report/ folders from earlier stages (decoded WAVs)
+        for folder_ in ctx.dirs.values():  # report/ folders (decoded WAVs) and a GGUF from earlier stages
             if (folder_ / "report").is_dir():
                 shutil.copytree(folder_ / "report", tmp / "report", dirs_exist_ok=True)
+            for gguf_file in folder_.glob("*.gguf"):
+                shutil.copyfile(gguf_file, tmp / gguf_file.name)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         bpw = bits_per_weight(tmp, files, meta["layout"], source_shapes, ctx.definition, meta.get("source_params"))
+        if "gguf" in ctx.results:  # the GGUF counted the same way: every bit of the file over the source
+            g = ctx.results["gguf"]
+            bpw["gguf"] = {"file": g["file"], "effective": round(8 * (tmp / g["file"]).stat().st_size / bpw["source_params"], 6),
+                           "types": g["types"], "inexact_tensors": len(g["inexact"])}
         m = {
             "schema": manifest.SCHEMA,
             "model": ctx.spec.name,
@@ -170,6 +176,8 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
             "protected": sorted(k for k, v in meta["layout"].items() if v["format"] == "bf16"),
             "bits_per_weight": bpw,
         }
+        if "gguf" in ctx.results:
+            m["gguf"] = ctx.results["gguf"]
         (tmp / manifest.FILE).write_text(canonical_json(m, indent=2))
 
     path = write_bundle(folder / version, build)

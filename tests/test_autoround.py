@@ -200,3 +200,13 @@ def test_no_calibration_stage_is_one_clear_error(tmp_path):
     with pytest.raises(PipelineError, match="method 'autoround' needs a calibrate stage"):
         build(path, "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "bundles")
     _nothing_written(tmp_path)
+
+
+def test_autoround_q3_exports_to_a_bit_exact_gguf(ar_build, tmp_path):
+    """auto-round's symmetric int3 g128 as Q4_0 (d = s, code q + 4)."""
+    pytest.importorskip("gguf")
+    from test_gguf_export import check_round_trip, export
+
+    r = export(ar_build.bundle, tmp_path / "ar3.gguf")
+    assert r.returncode == 0 and "not bit-exact" not in r.stdout, r.stderr
+    check_round_trip(ar_build.bundle, tmp_path / "ar3.gguf", "Q4_0")

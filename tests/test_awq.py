@@ -211,3 +211,14 @@ def test_block_structure_not_matching_the_mappings_is_refused(tmp_path, tiny_pat
         run_stages(ctx, STAGES)
     assert "\n" not in str(e.value)
     _nothing_written(tmp_path)
+
+
+def test_awq4_exports_to_a_bit_exact_gguf(awq4, tmp_path):
+    pytest.importorskip("gguf")
+    """AWQ's asymmetric int4 g128 as Q5_0 (d = s, code q - z + 16): llama.cpp computes our weights."""
+    from test_gguf_export import check_round_trip, export
+
+    ctx, _, _ = awq4
+    r = export(ctx.bundle, tmp_path / "awq4.gguf")
+    assert r.returncode == 0 and "not bit-exact" not in r.stdout, r.stderr
+    check_round_trip(ctx.bundle, tmp_path / "awq4.gguf", "Q5_0")
