@@ -98,3 +98,29 @@ def test_a_profile_can_list_the_gguf_stage(tmp_path):
     assert m["bits_per_weight"]["gguf"]["effective"] == pytest.approx(
         8 * (ctx.bundle / "model.gguf").stat().st_size / m["bits_per_weight"]["source_params"], abs=1e-6)
     assert m["gguf"]["inexact"] and all(n.startswith("output") for n in m["gguf"]["inexact"])  # the Q8_0 heads
+
+
+def test_the_gguf_pushes_as_its_own_layer_and_pulls_verified(tmp_path):
+    """The layer type llama.cpp's -dr and Docker Model Runner pick; its digest is the file's sha256."""
+    import hashlib
+
+    import yaml
+
+    from pipelines.api import build
+    from pipelines.profile import profile_path
+    from pipelines.registry.artifact import GGUF
+    from pipelines.registry.client import open_registry, pull, push
+
+    data = yaml.safe_load(profile_path("rtn4").read_text())
+    stages = dict(data["stages"])
+    data["stages"] = {**{k: v for k, v in stages.items() if k != "export"}, "gguf": {}, "export": stages["export"]}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    ctx = build(str(tmp_path / "p.yaml"), "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "b")
+    reg = open_registry(f"oci-layout:{tmp_path / 'reg'}")
+    result = push(reg, ctx.bundle)
+    raw, _ = reg.get_manifest(result.digest)
+    layers = [l for l in json.loads(raw)["layers"] if l["mediaType"] == GGUF]
+    assert len(layers) == 1 and layers[0]["annotations"]["org.cncf.model.filepath"] == "model.gguf"
+    assert layers[0]["digest"] == "sha256:" + hashlib.sha256((ctx.bundle / "model.gguf").read_bytes()).hexdigest()
+    pull(reg, result.digest, tmp_path / "pulled")
+    assert (tmp_path / "pulled" / "model.gguf").read_bytes() == (ctx.bundle / "model.gguf").read_bytes()

@@ -25,6 +25,8 @@ WEIGHT_CONFIG = "application/vnd.cncf.model.weight.config.v1.raw"
 BUNDLE_MANIFEST = "application/vnd.moss-quant.bundle.manifest.v1+json"
 BUNDLE_RECIPE = "application/vnd.moss-quant.bundle.recipe.v1+yaml"
 BUNDLE_FILE = "application/vnd.moss-quant.bundle.file.v1.raw"
+# The layer type llama.cpp's `-dr` and Docker Model Runner pick a GGUF by (docker/model-runner).
+GGUF = "application/vnd.docker.ai.gguf.v3"
 
 FILEPATH = "org.cncf.model.filepath"
 TITLE = "org.opencontainers.image.title"
@@ -74,6 +76,8 @@ def media_type(rel: str) -> str:
     name = PurePosixPath(rel).name
     if name.endswith(".safetensors"):
         return WEIGHT
+    if name.endswith(".gguf"):
+        return GGUF
     if name == "config.json" or name.endswith(".safetensors.index.json"):
         return WEIGHT_CONFIG
     if rel == BUNDLE_MANIFEST_NAME:
