@@ -1,7 +1,7 @@
 """What a bundle's recipe stores per weight on the real 8B generator: its backbone-Linear bits per
 weight (from the manifest) over the full-shape parameter split, everything else kept BF16.
 
-    python bench/bpw_at_scale.py artifacts/tiny/*/v1-*     # the README's "8B est." column
+    .venv/bin/python bench/bpw_at_scale.py artifacts/tiny/*/v1-*   # the README's "8B est." column and GGUF sizes
 
 A computed figure, not a measurement: safetensors headers (under 0.001 bit at 8B) are left out.
 """
@@ -26,6 +26,25 @@ def split(model: str = "full-shape") -> tuple[int, int]:
     return sum(math.prod(s) for k, s in specs.items() if DEFINITION.component_of(k) == "backbone_linears"), total
 
 
+GGUF_ROWS = (  # (label, block-Linear type bpw, embeddings + heads type bpw)
+    ("awq4 -> Q5_0 (exact), tables BF16", 5.5, 16.0),
+    ("awq4 -> Q5_0 (exact), tables Q8_0", 5.5, 8.5),
+    ("awq4 -> Q4_1 (near-exact), tables Q8_0", 5.0, 8.5),
+    ("autoround-q3 -> Q4_0 (exact), tables Q8_0", 4.5, 8.5),
+    ("official MOSS_TTS_Q4_K_M: backbone Q4_K_M (~4.85) + F16 embeddings/heads beside it", 4.85, 16.0),
+)
+
+
+def gguf_sizes() -> None:
+    """GGUF file sizes at the real 8B split (computed from the block types' bits, metadata aside)."""
+    linear, total = split()
+    tables = total - linear  # embeddings, heads (norms: 0.3M, F32, negligible)
+    print("\n| GGUF at the 8B split (computed) | bits per weight | GB |\n|---|---:|---:|")
+    for label, lin_bpw, tab_bpw in GGUF_ROWS:
+        bits = linear * lin_bpw + tables * tab_bpw
+        print(f"| {label} | {bits / total:.2f} | {bits / 8 / 1e9:.2f} |")
+
+
 def main(argv=None) -> None:
     linear, total = split()
     print(f"full-shape: {linear / 1e9:.3f} B backbone Linear parameters of {total / 1e9:.3f} B "
@@ -35,6 +54,7 @@ def main(argv=None) -> None:
         m = json.loads((Path(bundle) / "manifest.json").read_text())
         q = m["bits_per_weight"]["quantized_linear"]
         print(f"| {bundle} | {m['profile']} | {q} | {(linear * q + (total - linear) * 16) / total:.2f} |")
+    gguf_sizes()
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ SHAPES = {
     # hidden, ffn, layers, heads, kv heads, head_dim, vocab, n_vq, audio codes, shard bytes
     "tiny": dict(hidden=256, ffn=768, layers=4, heads=4, kv=2, head_dim=64, vocab=1024, n_vq=32, audio=64,
                  shard=4 << 20),
+    # tiny with MOSS's real text vocabulary: the upstream special token ids are real ids (what MOSS's
+    # llama.cpp runtime assumes), for the GGUF runtime check (scripts/llama_moss_parity.py)
+    "tiny-vocab": dict(hidden=256, ffn=768, layers=4, heads=4, kv=2, head_dim=64, vocab=155648, n_vq=32, audio=1024,
+                       shard=64 << 20),
     "full-shape": dict(hidden=4096, ffn=12288, layers=36, heads=32, kv=8, head_dim=128, vocab=155648, n_vq=32,
                        audio=1024, shard=5 << 30),
 }
@@ -124,18 +128,26 @@ def make_tensor(name: str, shape, cfg: dict, seed: int, device: str = "cpu") -> 
         return rnd.to_bfloat16(g).cpu()
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return rnd.to_bfloat16(1.0 + 0.1 * rnd.normal(key, shape, device)).cpu()
-    fan_in = shape[-1]
-    w = rnd.student_t(key, shape, df=8, device=device) / math.sqrt(fan_in)  # heavy tails, as trained weights
-    if name.startswith(("language_model.embed_tokens", "emb_ext.")):
-        w = w * (math.sqrt(fan_in) * (1.0 if name.startswith("language_model") else 0.3))  # O(1) entries
-        w[:, outliers[:2]] = w[:, outliers[:2]] + 0.5  # massive-activation channels in the residual stream
-    elif name.startswith("lm_heads."):
-        w = w * 5.0  # peaked output distributions, like a trained model
-    elif name.endswith("o_proj.weight"):
-        w = w * 0.1  # each block adds a modest update to the residual stream
-    elif name.endswith("down_proj.weight"):
-        w = w * 0.003  # the MLP reads x20-50 outlier inputs: damp its update to the same scale
-    return rnd.to_bfloat16(w).cpu()
+    rows, fan_in = shape
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    step = max(1, ROW_BLOCK_ELEMENTS // fan_in)
+    for r0 in range(0, rows, step):  # a slice of rows at a time: element j of the stream is element j here
+        r1 = min(rows, r0 + step)
+        w = rnd.student_t(key, (r1 - r0, fan_in), df=8, device=device, start=r0 * fan_in) / math.sqrt(fan_in)
+        if name.startswith(("language_model.embed_tokens", "emb_ext.")):
+            w = w * (math.sqrt(fan_in) * (1.0 if name.startswith("language_model") else 0.3))  # O(1) entries
+            w[:, outliers[:2]] = w[:, outliers[:2]] + 0.5  # massive-activation channels in the residual stream
+        elif name.startswith("lm_heads."):
+            w = w * 5.0  # peaked output distributions, like a trained model
+        elif name.endswith("o_proj.weight"):
+            w = w * 0.1  # each block adds a modest update to the residual stream
+        elif name.endswith("down_proj.weight"):
+            w = w * 0.003  # the MLP reads x20-50 outlier inputs: damp its update to the same scale
+        out[r0:r1] = rnd.to_bfloat16(w).cpu()
+    return out
+
+
+ROW_BLOCK_ELEMENTS = 1 << 24
 
 
 def write_fixture(name: str, out: Path, seed: int = 0, layers: int | None = None, device: str = "cpu") -> Path:

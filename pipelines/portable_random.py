@@ -69,21 +69,25 @@ def _counters(start: int, count: int, device) -> torch.Tensor:
     return torch.arange(start, start + count, dtype=torch.int64, device=device)
 
 
-def _chunked(numel: int, device, fill) -> torch.Tensor:
+def _chunked(numel: int, device, fill, start: int = 0) -> torch.Tensor:
     out = torch.empty(numel, dtype=torch.float64, device=device)
     for s in range(0, numel, CHUNK):
         n = min(CHUNK, numel - s)
-        out[s:s + n] = fill(_counters(s, n, device))
+        out[s:s + n] = fill(_counters(start + s, n, device))
     return out
 
 
-def uniform(name: str, shape, device="cpu") -> torch.Tensor:
+# Every sampler draws elements [start, start + numel) of its stream: a large tensor can be made a
+# slice of rows at a time (float64 of a whole 600M-entry table would not fit in memory).
+
+
+def uniform(name: str, shape, device="cpu", start: int = 0) -> torch.Tensor:
     """float64 uniforms in (0, 1)."""
     st = Stream(name)
-    return _chunked(math.prod(shape), device, st.uniform).reshape(shape)
+    return _chunked(math.prod(shape), device, st.uniform, start).reshape(shape)
 
 
-def normal(name: str, shape, device="cpu") -> torch.Tensor:
+def normal(name: str, shape, device="cpu", start: int = 0) -> torch.Tensor:
     """Unit-variance Irwin-Hall(12) normals: 12 uniforms summed in order, minus 6 (bounded at +-6)."""
     st = Stream(name)
 
@@ -93,10 +97,10 @@ def normal(name: str, shape, device="cpu") -> torch.Tensor:
             acc = acc + st.uniform(j * 12 + m)
         return acc - 6.0
 
-    return _chunked(math.prod(shape), device, fill).reshape(shape)
+    return _chunked(math.prod(shape), device, fill, start).reshape(shape)
 
 
-def student_t(name: str, shape, df: int, device="cpu") -> torch.Tensor:
+def student_t(name: str, shape, df: int, device="cpu", start: int = 0) -> torch.Tensor:
     """Unit-variance Student-t samples (Bailey's polar method).
 
     U, V uniform on (-1, 1), W = U^2 + V^2, accepted if W < 1; then
@@ -130,7 +134,7 @@ def student_t(name: str, shape, df: int, device="cpu") -> torch.Tensor:
                 return out
         raise RuntimeError(f"student_t {name}: rejection sampling did not finish")  # p ~ 1e-43
 
-    return _chunked(math.prod(shape), device, fill).reshape(shape)
+    return _chunked(math.prod(shape), device, fill, start).reshape(shape)
 
 
 def permutation(name: str, n: int, device="cpu") -> torch.Tensor:

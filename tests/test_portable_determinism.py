@@ -139,3 +139,15 @@ def test_bfloat16_rounding_matches_round_to_nearest_even():
 
     x = rnd.student_t("bf16", (100_000,), df=4)
     assert torch.equal(rnd.to_bfloat16(x).view(torch.int16), x.float().to(torch.bfloat16).view(torch.int16))
+
+
+def test_large_tables_made_a_slice_of_rows_at_a_time_are_the_same_tensor(monkeypatch):
+    """The full-shape tables (600M entries) are drawn in row slices; the slices join into the same tensor."""
+    import torch
+
+    import pipelines.fixtures as fixtures
+
+    cfg = fixtures.fixture_config("tiny")
+    whole = fixtures.make_tensor("language_model.embed_tokens.weight", (1024, 256), cfg, 0)
+    monkeypatch.setattr(fixtures, "ROW_BLOCK_ELEMENTS", 256 * 37)  # 37 rows a slice, the last one short
+    assert torch.equal(fixtures.make_tensor("language_model.embed_tokens.weight", (1024, 256), cfg, 0), whole)
