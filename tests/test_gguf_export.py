@@ -100,15 +100,16 @@ def test_a_profile_can_list_the_gguf_stage(tmp_path):
     assert m["gguf"]["inexact"] and all(n.startswith("output") for n in m["gguf"]["inexact"])  # the Q8_0 heads
 
 
-def test_the_gguf_pushes_as_its_own_layer_and_pulls_verified(tmp_path):
-    """The layer type llama.cpp's -dr and Docker Model Runner pick; its digest is the file's sha256."""
+def test_the_gguf_pushes_as_a_docker_model_and_a_modelpack_weight(tmp_path):
+    """One blob, two manifests: a ModelPack weight layer, and a Docker model artifact (`<version>-gguf`)
+    whose config and layer types are the ones llama.cpp's -dr and Docker Model Runner pick."""
     import hashlib
 
     import yaml
 
     from pipelines.api import build
     from pipelines.profile import profile_path
-    from pipelines.registry.artifact import GGUF
+    from pipelines.registry.artifact import DOCKER_MODEL_CONFIG, GGUF, WEIGHT
     from pipelines.registry.client import open_registry, pull, push
 
     data = yaml.safe_load(profile_path("rtn4").read_text())
@@ -118,9 +119,22 @@ def test_the_gguf_pushes_as_its_own_layer_and_pulls_verified(tmp_path):
     ctx = build(str(tmp_path / "p.yaml"), "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "b")
     reg = open_registry(f"oci-layout:{tmp_path / 'reg'}")
     result = push(reg, ctx.bundle)
+    version = json.loads((ctx.bundle / "manifest.json").read_text())["version"]
+    assert result.tags == [version, "tiny-rtn4", f"{version}-gguf", "tiny-rtn4-gguf"]
+    want = "sha256:" + hashlib.sha256((ctx.bundle / "model.gguf").read_bytes()).hexdigest()
+
     raw, _ = reg.get_manifest(result.digest)
-    layers = [l for l in json.loads(raw)["layers"] if l["mediaType"] == GGUF]
-    assert len(layers) == 1 and layers[0]["annotations"]["org.cncf.model.filepath"] == "model.gguf"
-    assert layers[0]["digest"] == "sha256:" + hashlib.sha256((ctx.bundle / "model.gguf").read_bytes()).hexdigest()
+    (layer,) = [x for x in json.loads(raw)["layers"] if x["annotations"]["org.cncf.model.filepath"] == "model.gguf"]
+    assert layer["mediaType"] == WEIGHT and layer["digest"] == want
+    docker, _ = reg.get_manifest("tiny-rtn4-gguf")
+    docker = json.loads(docker)
+    assert docker["config"]["mediaType"] == DOCKER_MODEL_CONFIG and "artifactType" not in docker
+    assert [(x["mediaType"], x["digest"]) for x in docker["layers"]] == [(GGUF, want)]
+    cfg_path = tmp_path / "docker-config.json"
+    reg.fetch_blob(docker["config"]["digest"], docker["config"]["size"], cfg_path, "config")
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["config"]["format"] == "gguf" and cfg["rootfs"] == {"type": "layers", "diff_ids": [want]}
+    assert push(reg, ctx.bundle).uploaded == []  # the second manifest costs no second upload
+
     pull(reg, result.digest, tmp_path / "pulled")
     assert (tmp_path / "pulled" / "model.gguf").read_bytes() == (ctx.bundle / "model.gguf").read_bytes()

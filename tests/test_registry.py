@@ -17,6 +17,10 @@ from pipelines.registry.client import list_tags, open_registry, pull, push, spli
 from pipelines.registry.artifact import ARTIFACT_TYPE, Blob, CONFIG_MEDIA_TYPE, FILEPATH, WEIGHT, WEIGHT_CONFIG
 from registry_server import auth_registry_server, registry_server  # noqa: F401  (pytest fixtures)
 
+from modelpack_client import ModelPackClient
+from modelpack_client.constants import MODEL_LAYER_MEDIA_TYPES
+from modelpack_client.schema import CONFIG_SCHEMA  # the CNCF schema, as the ModelPack client ships it
+
 
 @pytest.fixture(autouse=True)
 def no_ambient_credentials(monkeypatch, tmp_path):
@@ -118,7 +122,9 @@ def test_manifest_is_deterministic_modelpack(backend, tmp_path):
     for rel, layer in by_path.items():
         assert layer["digest"] == "sha256:" + sha256_file(bundle / rel)  # raw layers: blob = the file
     assert {by_path[r]["mediaType"] for r in by_path if r.endswith(".safetensors")} == {WEIGHT}
-    assert by_path["config.json"]["mediaType"] == WEIGHT_CONFIG
+    assert {by_path[r]["mediaType"] for r in ("config.json", "manifest.json", "recipe.yaml",
+                                              "model.safetensors.index.json")} == {WEIGHT_CONFIG}
+    assert {x["mediaType"] for x in m["layers"]} <= MODEL_LAYER_MEDIA_TYPES  # ModelPack's own types only
     ann = m["annotations"]
     assert ann["org.opencontainers.image.version"] == json.loads((bundle / "manifest.json").read_text())["version"]
     assert ann["org.opencontainers.image.revision"] == "0" * 40
@@ -127,8 +133,65 @@ def test_manifest_is_deterministic_modelpack(backend, tmp_path):
     config_path = tmp_path / "config.json"
     reg.fetch_blob(m["config"]["digest"], m["config"]["size"], config_path, "config")
     config = json.loads(config_path.read_text())
-    assert config["modelfs"] == {"type": "layers", "diff_ids": [layer["digest"] for layer in m["layers"]]}
+    assert config["modelfs"] == {"type": "layers", "diffIds": [layer["digest"] for layer in m["layers"]]}
     assert config["config"] == {"format": "safetensors", "quantization": "rtn", "precision": "int4"}
+
+
+def test_modelpack_config_validates_against_the_cncf_schema(tmp_path):
+    import jsonschema
+
+    from pipelines.registry.artifact import build_artifact
+
+    art = build_artifact(make_bundle(tmp_path / "bundle"))
+    config = json.loads(art.blobs[0].data)
+    jsonschema.Draft202012Validator(CONFIG_SCHEMA).validate(config)
+    config["modelfs"]["diff_ids"] = config["modelfs"].pop("diffIds")  # what moss-quant wrote before
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(CONFIG_SCHEMA).validate(config)
+
+
+def test_modelpack_client_pulls_what_push_wrote(registry_server, tmp_path, request):
+    """The ModelPack client (PyPI modelpack-client) checks the manifest's layer types, the config against
+    the schema, each layer's digest and diffId, and writes files at their org.cncf.model.filepath."""
+    bundle = make_bundle(tmp_path / "bundle")
+    (bundle / "report").mkdir()
+    (bundle / "report" / "sample.wav").write_bytes(b"RIFF" + bytes(60))  # a doc layer in a subfolder
+    info = json.loads((bundle / "manifest.json").read_text())
+    info["files"]["report/sample.wav"] = {"sha256": sha256_file(bundle / "report" / "sample.wav"), "size": 64}
+    (bundle / "manifest.json").write_text(canonical_json(info, indent=2))
+    repo = repo_name(request)
+    pushed = push(open_registry(f"oci://{registry_server.host}/{repo}"), bundle)
+    got = ModelPackClient(insecure=True).pull(f"{registry_server.host}/{repo}:tiny-rtn4", tmp_path / "pulled")
+    assert got.manifest["config"]["digest"] == json.loads(
+        open_registry(f"oci://{registry_server.host}/{repo}").get_manifest(pushed.digest)[0])["config"]["digest"]
+    assert tree(tmp_path / "pulled") == tree(bundle)
+
+
+def test_repush_repairs_a_corrupt_blob_in_the_layout(tmp_path):
+    reg = open_registry(f"oci-layout:{tmp_path / 'registry'}")
+    bundle = make_bundle(tmp_path / "bundle")
+    push(reg, bundle)
+    shard = "sha256:" + sha256_file(bundle / "model-00001-of-00002.safetensors")
+    corrupt_blob((reg, None), shard, "flip")  # same size: a size check would skip it
+    again = push(reg, bundle)
+    assert again.repaired == [shard] and shard in again.uploaded and len(again.skipped) == 6
+    pull(reg, "tiny-rtn4", tmp_path / "pulled")
+    assert tree(tmp_path / "pulled") == tree(bundle)
+
+
+def test_repush_names_a_corrupt_blob_distribution_will_not_replace(registry_server, tmp_path, request):
+    """CNCF Distribution keeps a stored blob's bytes after DELETE and re-upload (content-addressed data is
+    never overwritten), so the push must not tag a manifest over it: one clear line, no tag moved."""
+    reg = open_registry(f"oci://{registry_server.host}/{repo_name(request)}")
+    bundle = make_bundle(tmp_path / "bundle", seed=103)
+    first = push(reg, bundle)
+    shard = "sha256:" + sha256_file(bundle / "model-00001-of-00002.safetensors")
+    corrupt_blob((reg, registry_server), shard, "flip")
+    newer = make_bundle(tmp_path / "newer", seed=103, version="v2-newer")  # same shard, new version
+    with pytest.raises(PipelineError, match=f"blob {shard} is stored corrupt.*no tag was written"):
+        push(reg, newer)
+    assert reg.resolve("v2-newer") is None and reg.resolve("tiny-rtn4") == first.digest
+    assert registry_server.requests_seen("DELETE", "/blobs/") >= 1
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])

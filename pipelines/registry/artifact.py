@@ -20,13 +20,16 @@ from ..errors import PipelineError
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 ARTIFACT_TYPE = "application/vnd.cncf.model.manifest.v1+json"
 CONFIG_MEDIA_TYPE = "application/vnd.cncf.model.config.v1+json"
+# Only the layer types the ModelPack spec defines (docs/spec.md), so ModelPack clients pull a bundle.
 WEIGHT = "application/vnd.cncf.model.weight.v1.raw"
 WEIGHT_CONFIG = "application/vnd.cncf.model.weight.config.v1.raw"
-BUNDLE_MANIFEST = "application/vnd.moss-quant.bundle.manifest.v1+json"
-BUNDLE_RECIPE = "application/vnd.moss-quant.bundle.recipe.v1+yaml"
-BUNDLE_FILE = "application/vnd.moss-quant.bundle.file.v1.raw"
-# The layer type llama.cpp's `-dr` and Docker Model Runner pick a GGUF by (docker/model-runner).
+DOC = "application/vnd.cncf.model.doc.v1.raw"
+# A bundle's GGUF is also tagged as a Docker model artifact (same blob, no second upload): the
+# manifest shape and types llama.cpp's `-dr` and Docker Model Runner pick a GGUF by (docker/model-runner).
 GGUF = "application/vnd.docker.ai.gguf.v3"
+DOCKER_MODEL_CONFIG = "application/vnd.docker.ai.model.config.v0.1+json"
+GGUF_NAME = "model.gguf"
+GGUF_TAG_SUFFIX = "-gguf"
 
 FILEPATH = "org.cncf.model.filepath"
 TITLE = "org.opencontainers.image.title"
@@ -72,19 +75,18 @@ def check_tag(tag: str, what: str) -> str:
     return tag
 
 
+# Files that describe the weights (how they are laid out and were made): ModelPack's weight config.
+_WEIGHT_CONFIG_NAMES = {"config.json", BUNDLE_MANIFEST_NAME, "recipe.yaml", "measurement.json",
+                        "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+
+
 def media_type(rel: str) -> str:
     name = PurePosixPath(rel).name
-    if name.endswith(".safetensors"):
+    if name.endswith((".safetensors", ".gguf")):
         return WEIGHT
-    if name.endswith(".gguf"):
-        return GGUF
-    if name == "config.json" or name.endswith(".safetensors.index.json"):
+    if rel in _WEIGHT_CONFIG_NAMES or name.endswith(".safetensors.index.json"):
         return WEIGHT_CONFIG
-    if rel == BUNDLE_MANIFEST_NAME:
-        return BUNDLE_MANIFEST
-    if rel == "recipe.yaml":
-        return BUNDLE_RECIPE
-    return BUNDLE_FILE
+    return DOC  # the report's listening samples and anything else a person reads
 
 
 def _bundle_files(bundle: Path) -> list[str]:
@@ -138,7 +140,7 @@ def build_artifact(bundle: Path, force: bool = False) -> Artifact:
     if qcfg.get("bits"):
         mconfig["precision"] = f"int{qcfg['bits']}"
     config = canonical_json({"descriptor": descriptor, "config": mconfig,
-                             "modelfs": {"type": "layers", "diff_ids": [layer["digest"] for layer in layers]}}).encode()
+                             "modelfs": {"type": "layers", "diffIds": [layer["digest"] for layer in layers]}}).encode()
     config_blob = Blob(digest_of(config), len(config), data=config)
 
     annotations = {
@@ -164,8 +166,37 @@ def build_artifact(bundle: Path, force: bool = False) -> Artifact:
         "annotations": annotations,
     }).encode()
     # A rejected bundle pushed with force keeps its version tag but never moves the profile tag.
-    return Artifact(manifest, digest_of(manifest), [config_blob, *blobs], version,
-                    [moving] if info["status"] == "accepted" else [])
+    accepted = info["status"] == "accepted"
+    return Artifact(manifest, digest_of(manifest), [config_blob, *blobs], version, [moving] if accepted else [])
+
+
+def gguf_artifact(bundle: Path, art: Artifact) -> Artifact | None:
+    """The bundle's GGUF as a Docker model artifact (tags `<version>-gguf`, `<model>-<profile>-gguf`).
+
+    Its one layer is the blob the ModelPack manifest already lists, so pushing it uploads only a config.
+    """
+    main = json.loads(art.manifest)
+    layer = next((x for x in main["layers"] if x["annotations"][FILEPATH] == GGUF_NAME), None)
+    if layer is None:
+        return None
+    ann = main["annotations"]
+    config = canonical_json({
+        "config": {"format": "gguf", "architecture": "moss-tts-delay", "size": str(layer["size"]),
+                   "quantization": ann.get(VENDOR + "profile", "")},
+        "descriptor": {},
+        "rootfs": {"type": "layers", "diff_ids": [layer["digest"]]},
+    }).encode()
+    config_blob = Blob(digest_of(config), len(config), data=config)
+    manifest = canonical_json({
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_MEDIA_TYPE,
+        "config": {"mediaType": DOCKER_MODEL_CONFIG, "digest": config_blob.digest, "size": config_blob.size},
+        "layers": [{**layer, "mediaType": GGUF}],
+        "annotations": {k: v for k, v in ann.items() if k.startswith("org.opencontainers.")},
+    }).encode()
+    gguf_blob = next(b for b in art.blobs if b.digest == layer["digest"])
+    return Artifact(manifest, digest_of(manifest), [config_blob, gguf_blob], art.version_tag + GGUF_TAG_SUFFIX,
+                    [t + GGUF_TAG_SUFFIX for t in art.moving_tags])
 
 
 def _quantization_config(bundle: Path) -> dict:

@@ -15,7 +15,8 @@ from typing import Protocol
 from ..atomic import publish, temporary_sibling
 from ..errors import PipelineError
 from ..progress import progress
-from .artifact import DIGEST_RE, TAG_RE, Artifact, Blob, build_artifact, check_pulled, check_tag, parse_manifest
+from .artifact import (DIGEST_RE, TAG_RE, Artifact, Blob, build_artifact, check_pulled, check_tag, gguf_artifact,
+                       parse_manifest)
 
 DEFAULT_URL = "oci-layout:artifacts/registry"
 
@@ -23,8 +24,10 @@ DEFAULT_URL = "oci-layout:artifacts/registry"
 class Registry(Protocol):
     url: str
 
-    def has_blob(self, digest: str, size: int) -> bool: ...
+    # "absent", "intact" or "corrupt": the stored bytes hashed, never judged by size alone
+    def check_blob(self, digest: str, size: int) -> str: ...
     def put_blob(self, blob: Blob) -> None: ...
+    def discard_blob(self, digest: str) -> None: ...  # before a corrupt blob is uploaded again
     def fetch_blob(self, digest: str, size: int, dest: Path, what: str) -> None: ...  # verifies or raises
     def resolve(self, ref: str) -> str | None: ...
     def get_manifest(self, ref: str) -> tuple[bytes, str] | None: ...  # (exact bytes, their digest)
@@ -79,30 +82,44 @@ class PushResult:
     digest: str
     tags: list[str]
     uploaded: list[str] = field(default_factory=list)  # blob digests sent
-    skipped: list[str] = field(default_factory=list)  # already in the registry
+    skipped: list[str] = field(default_factory=list)  # already in the registry, bytes checked
+    repaired: list[str] = field(default_factory=list)  # held corrupt by the registry, sent again
 
 
 def push(registry: Registry, bundle: Path, force: bool = False) -> PushResult:
-    """Upload missing blobs, then the manifest under the version tag, then the moving tag.
+    """Upload missing or corrupt blobs, then the manifest under the version tag, then the moving tag.
 
     The manifest goes last, so an interrupted push leaves no tag pointing at missing blobs and a
-    re-run only sends what is still missing.
+    re-run only sends what is still missing. A bundle with a GGUF also gets its Docker model tags.
     """
     art: Artifact = build_artifact(Path(bundle), force=force)
-    old = registry.resolve(art.version_tag)
-    if old not in (None, art.digest):
-        raise PipelineError(f"{registry.url}:{art.version_tag}: already holds {old}, not this bundle's "
-                            f"{art.digest}; a version id never changes content")
-    result = PushResult(art.digest, [art.version_tag, *art.moving_tags])
-    for blob in progress(art.blobs, desc="push", unit="blob"):
-        if registry.has_blob(blob.digest, blob.size):
+    extra = gguf_artifact(Path(bundle), art)
+    arts = [art] + ([extra] if extra else [])
+    for a in arts:
+        old = registry.resolve(a.version_tag)
+        if old not in (None, a.digest):
+            raise PipelineError(f"{registry.url}:{a.version_tag}: already holds {old}, not this bundle's "
+                                f"{a.digest}; a version id never changes content")
+    result = PushResult(art.digest, [t for a in arts for t in (a.version_tag, *a.moving_tags)])
+    blobs = list({b.digest: b for a in arts for b in a.blobs}.values())
+    for blob in progress(blobs, desc="push", unit="blob"):
+        state = registry.check_blob(blob.digest, blob.size)
+        if state == "intact":
             result.skipped.append(blob.digest)
-        else:
-            registry.put_blob(blob)
-            result.uploaded.append(blob.digest)
-    registry.put_manifest(art.manifest, art.digest, art.version_tag, immutable=True)
-    for tag in art.moving_tags:
-        registry.put_manifest(art.manifest, art.digest, tag, immutable=False)
+            continue
+        if state == "corrupt":
+            registry.discard_blob(blob.digest)
+            result.repaired.append(blob.digest)
+        registry.put_blob(blob)
+        if state == "corrupt" and registry.check_blob(blob.digest, blob.size) != "intact":
+            raise PipelineError(f"{registry.url}: blob {blob.digest} is stored corrupt and the registry kept its bytes "
+                                "after delete and re-upload (CNCF Distribution never replaces stored blob data); "
+                                "remove it from the registry's storage and push again; no tag was written")
+        result.uploaded.append(blob.digest)
+    for a in arts:
+        registry.put_manifest(a.manifest, a.digest, a.version_tag, immutable=True)
+        for tag in a.moving_tags:
+            registry.put_manifest(a.manifest, a.digest, tag, immutable=False)
     return result
 
 

@@ -13,9 +13,9 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..checkpoint import canonical_json
+from ..checkpoint import canonical_json, sha256_file
 from ..errors import PipelineError
-from .artifact import (ARTIFACT_TYPE, DIGEST_RE, MANIFEST_MEDIA_TYPE, Blob, check_digest, digest_of, read_chunks,
+from .artifact import (DIGEST_RE, MANIFEST_MEDIA_TYPE, Blob, check_digest, digest_of, read_chunks,
                        write_verified)
 
 REF_NAME = "org.opencontainers.image.ref.name"
@@ -32,9 +32,14 @@ class LayoutRegistry:
     def _blob(self, digest: str) -> Path:
         return self.root / "blobs" / "sha256" / check_digest(digest)[7:]
 
-    def has_blob(self, digest: str, size: int) -> bool:
+    def check_blob(self, digest: str, size: int) -> str:
         p = self._blob(digest)
-        return p.is_file() and p.stat().st_size == size
+        if not p.is_file():
+            return "absent"
+        return "intact" if p.stat().st_size == size and "sha256:" + sha256_file(p) == digest else "corrupt"
+
+    def discard_blob(self, digest: str) -> None:
+        self._quarantine(self._blob(digest))
 
     def put_blob(self, blob: Blob) -> None:
         self._init()
@@ -141,8 +146,9 @@ class LayoutRegistry:
                 raise PipelineError(f"{self.url}:{tag}: already holds {old[0]['digest']}, not {digest}; "
                                     "a version id never changes content")
             entries = [m for m in entries if m not in old]
-            entries.append({"mediaType": MANIFEST_MEDIA_TYPE, "artifactType": ARTIFACT_TYPE, "digest": digest,
-                            "size": len(data), "annotations": {REF_NAME: tag}})
+            entry = {"mediaType": MANIFEST_MEDIA_TYPE, "digest": digest, "size": len(data), "annotations": {REF_NAME: tag}}
+            kind = json.loads(data).get("artifactType")  # the index mirrors the manifest's own (OCI image-spec)
+            entries.append({**entry, "artifactType": kind} if kind else entry)
             self._write_index(entries)
 
     def tags(self) -> list[str]:

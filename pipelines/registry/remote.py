@@ -3,7 +3,7 @@
 What oras 0.2.43 leaves out is done here: uploads are PATCHed one chunk at a time (never a whole
 file in memory), manifests are PUT as our exact bytes and the returned Docker-Content-Digest checked,
 and downloads are hashed and sized. Requests are tried once (oras retries with sleeps of up to
-minutes); a failed push is simply run again and skips the blobs already there.
+minutes); a failed push is simply run again and skips the blobs already there (their bytes read back).
 Credentials go only into the Authorization header: never into URLs, messages or logs.
 """
 from __future__ import annotations
@@ -89,9 +89,30 @@ class RemoteRegistry:
         raise PipelineError(f"{self.url}: {what}: HTTP {r.status_code} {_error(r)}")
 
     # -- blobs -------------------------------------------------------------------------------
-    def has_blob(self, digest: str, size: int) -> bool:
-        r = self.client.do_request(f"{self.base}/blobs/{check_digest(digest)}", "HEAD")
-        return r.status_code == 200 and r.headers.get("Content-Length") == str(size)
+    def check_blob(self, digest: str, size: int) -> str:
+        """HEAD, then the stored bytes read back and hashed: Distribution's HEAD reports the digest it was
+        asked for and the size on disk, so a blob corrupted in its storage passes a HEAD of the same size."""
+        url = f"{self.base}/blobs/{check_digest(digest)}"
+        r = self.client.do_request(url, "HEAD")
+        if r.status_code == 404:
+            return "absent"
+        if r.status_code != 200:
+            self._fail(f"check blob {digest}", r)
+        if r.headers.get("Content-Length") != str(size):
+            return "corrupt"
+        h, n = hashlib.sha256(), 0
+        with self.client.do_request(url, "GET", stream=True) as r:
+            if r.status_code != 200:
+                self._fail(f"read back blob {digest}", r)
+            for block in r.iter_content(1 << 20):
+                h.update(block)
+                n += len(block)
+        return "intact" if n == size and "sha256:" + h.hexdigest() == digest else "corrupt"
+
+    def discard_blob(self, digest: str) -> None:
+        r = self.client.do_request(f"{self.base}/blobs/{check_digest(digest)}", "DELETE")
+        if r.status_code not in (202, 404):
+            self._fail(f"delete corrupt blob {digest} (the registry must allow deletes to repair it)", r)
 
     def put_blob(self, blob: Blob) -> None:
         """POST a session, PATCH chunk by chunk, PUT ?digest= to close it."""
