@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from . import serving
 from .atomic import atomic_folder
 from .checkpoint import Checkpoint, canonical_json, write_sharded
 from .errors import PipelineError
@@ -22,6 +23,14 @@ def backbone_name(name: str) -> str | None:
         if name.startswith(old):
             return new + name[len(old):]
     return None  # audio embeddings / heads: not part of the backbone
+
+
+def _module_name(name: str) -> str | None:
+    """A module name or prefix of the bundle as it is in the backbone ('lm_heads' -> 'lm_head')."""
+    if name in ("lm_heads", "lm_heads.0"):
+        return "lm_head"
+    new = backbone_name(name + ".")
+    return new.rstrip(".") if new else None
 
 
 def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path:
@@ -38,8 +47,16 @@ def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path
     qwen3.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
                  dtype=config.get("dtype", "bfloat16"))
     qc = config.get("quantization_config")
+    gaps = serving.gaps(qc)
+    refused = [g for g in gaps if g.refuse]
+    if refused:  # this folder exists to be loaded by transformers/vLLM: never hand them placeholders
+        raise PipelineError(f"{bundle}: {refused[0]}; rebuild on a grid it has kernels for (sym: true), "
+                            "nothing written")
+    serving.warn(gaps, str(dest))
     if qc:
         qc = dict(qc)
+        if "modules_to_not_convert" in qc:  # names of the exported modules (lm_heads.0 is lm_head here)
+            qc["modules_to_not_convert"] = sorted({_module_name(m) for m in qc["modules_to_not_convert"]} - {None})
         if "block_name_to_quantize" in qc:
             qc["block_name_to_quantize"] = backbone_name(qc["block_name_to_quantize"] + ".").rstrip(".")
         if qc.get("extra_config"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from . import manifest
+from . import manifest, serving
 from .atomic import publish, temporary_sibling
 from .checkpoint import canonical_json, safetensors_header, sha256_file, write_sharded
 from .errors import PipelineError
@@ -182,5 +182,6 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
 
     path = write_bundle(folder / version, build)
     manifest.record(folder, version)
+    serving.warn(serving.gaps(meta["quantization_config"]), f"{ctx.spec.name}/{ctx.profile.name} {version}")
     ctx.bundle = path
     return {"bundle": str(path.name), "status": gate["status"]}

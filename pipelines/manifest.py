@@ -87,7 +87,8 @@ def bundles(folder: Path) -> list[Path]:
     folder = Path(folder)
     present = {p.name: p for p in folder.glob("v1-*") if (p / FILE).exists()}
     order = [v for v in _order(folder) if v in present]
-    return [present[v] for v in order + sorted(set(present) - set(order))]
+    # bundles the index does not list were written before it (or by hand): older than any it records
+    return [present[v] for v in sorted(set(present) - set(order)) + order]
 
 
 def newest(folder: Path) -> Path | None:

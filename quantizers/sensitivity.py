@@ -5,7 +5,7 @@ calibration activations X, ||X (W_q - W)^T||^2 / ||X W^T||^2, computed exactly f
 input Gram matrix H = X^T X as tr(dW H dW^T) / tr(W H W^T).
 
 Allocation: every tensor starts at the base width; upgrades to a protect width are taken
-greedily by score reduction per extra stored bit. The upgrade order does not depend on the
+greedily by score reduction per extra stored bit, a fused group (q/k/v, gate/up) as one unit. The upgrade order does not depend on the
 budget and the allocation is its longest prefix that fits, so more budget always protects
 a superset (and never lowers a width).
 """
@@ -90,60 +90,77 @@ def output_errors(weight: torch.Tensor, h: torch.Tensor, widths, group_size: int
 
 @dataclass(frozen=True)
 class Upgrade:
-    tensor: str
+    tensors: tuple[str, ...]  # one tensor, or a fused group that must share one width
     from_bits: int
     to_bits: int
     gain_per_bit: float  # score reduction per extra stored bit (rounded)
     extra_bits: float
 
 
+def units(names, groups=()) -> list[tuple[str, ...]]:
+    """The allocation's units: each fused group (runtimes fuse q/k/v and gate/up into one kernel and
+    need one width for them) and every other tensor alone. Sorted, so the order is input-free."""
+    names, out, seen = set(names), [], set()
+    for g in groups:
+        members = tuple(sorted(n for n in g if n in names))
+        if len(members) != len(g):
+            raise QuantizerError(f"fused group {list(g)}: {sorted(set(g) - names)[0]} has no measured score")
+        if seen & set(members):
+            raise QuantizerError(f"fused group {list(g)}: {sorted(seen & set(members))[0]} is in two groups")
+        seen |= set(members)
+        out.append(members)
+    return sorted(out + [(n,) for n in names - seen])
+
+
 def upgrade_order(scores: dict[str, dict[int, float]], numel: dict[str, int], base_bits: int,
-                  protect_bits: list[int], group_size: int) -> list[Upgrade]:
+                  protect_bits: list[int], group_size: int, groups=()) -> list[Upgrade]:
     """The full greedy sequence of upgrades, independent of any budget.
 
-    scores[name][bits] is the measured damage at each width (KEEP_BF16 scores 0). Ties break
-    on tensor name, then width, so the order is a pure function of its inputs.
+    scores[name][bits] is the measured damage at each width (KEEP_BF16 scores 0); a fused group's
+    damage is the sum of its members' and its cost their total. Ties break on the unit's names, then
+    width, so the order is a pure function of its inputs.
     """
     widths = sorted(set(protect_bits))
     for name, s in scores.items():
         missing = [b for b in [base_bits, *widths] if b != KEEP_BF16 and b not in s]
         if missing:
             raise QuantizerError(f"{name}: no measured score at {missing[0]} bits (measured: {sorted(s)})")
-    score = lambda name, b: 0.0 if b == KEEP_BF16 else scores[name][b]
+    score = lambda unit, b: 0.0 if b == KEEP_BF16 else sum(scores[n][b] for n in unit)
+    size = {u: sum(numel[n] for n in u) for u in units(scores, groups)}
     cost = {b: bits_per_weight(b, group_size) for b in [base_bits, *widths]}
-    current = {name: base_bits for name in scores}
+    current = {u: base_bits for u in size}
     order = []
     while True:
         best = None
-        for name in sorted(current):
-            cur = current[name]
+        for unit in sorted(current):
+            cur = current[unit]
             for b in widths:
                 if b <= cur:
                     continue
-                extra = numel[name] * (cost[b] - cost[cur])
-                gain = sig((score(name, cur) - score(name, b)) / extra)
-                key = (-gain, name, b)
+                extra = size[unit] * (cost[b] - cost[cur])
+                gain = sig((score(unit, cur) - score(unit, b)) / extra)
+                key = (-gain, unit, b)
                 if best is None or key < best[0]:
-                    best = (key, Upgrade(name, cur, b, gain, extra))
+                    best = (key, Upgrade(unit, cur, b, gain, extra))
         if best is None:
             return order
         order.append(best[1])
-        current[best[1].tensor] = best[1].to_bits
+        current[best[1].tensors] = best[1].to_bits
 
 
 def allocate(scores: dict[str, dict[int, float]], numel: dict[str, int], cfg: SensitivityConfig,
-             group_size: int) -> tuple[dict[str, int], list[Upgrade]]:
-    """Widths per tensor under the config's budget, and the upgrades taken (in order)."""
+             group_size: int, groups=()) -> tuple[dict[str, int], list[Upgrade]]:
+    """Widths per tensor under the config's budget (fused groups at one width), and the upgrades taken."""
     budget = cfg.budget(group_size) * sum(numel.values())
     taken, spent = [], 0.0
-    for up in upgrade_order(scores, numel, cfg.base_bits, cfg.protect_bits, group_size):
+    for up in upgrade_order(scores, numel, cfg.base_bits, cfg.protect_bits, group_size, groups):
         if spent + up.extra_bits > budget + 1e-6:
             break  # a prefix, never a skip: keeps protection monotone in the budget
         taken.append(up)
         spent += up.extra_bits
     widths = {name: cfg.base_bits for name in scores}
     for up in taken:
-        widths[up.tensor] = up.to_bits
+        widths.update(dict.fromkeys(up.tensors, up.to_bits))
     return widths, taken
 
 

@@ -21,10 +21,21 @@ def tiny_path():
 
 
 @pytest.fixture(scope="session")
-def rtn4_build(tmp_path_factory):
-    """One rtn4 build on the tiny fixture, in its own cache and bundle roots."""
+def shipped(tmp_path_factory):
+    """shipped(profile): that shipped profile built once per session on the tiny fixture, in its own roots."""
     from pipelines.api import build
 
-    root = tmp_path_factory.mktemp("rtn4")
-    ctx = build("rtn4", "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
-    return ctx
+    built = {}
+
+    def get(profile: str):
+        if profile not in built:
+            root = tmp_path_factory.mktemp(profile)
+            built[profile] = build(profile, "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
+        return built[profile]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def rtn4_build(shipped):
+    return shipped("rtn4")

@@ -20,9 +20,8 @@ from quantizers.rtn import RTNConfig, quantize_rtn
 
 
 @pytest.fixture(scope="module")
-def ar_build(tmp_path_factory):
-    root = tmp_path_factory.mktemp("autoround")
-    return build("autoround-q3", "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
+def ar_build(shipped):
+    return shipped("autoround-q3")
 
 
 def _manifest(ctx):

@@ -168,7 +168,10 @@ def test_newest_version_of_each_profile_is_shown(root, tmp_path):
     m = json.loads((new / "manifest.json").read_text())
     m["version"], m["bits_per_weight"]["effective"] = new.name, 7.5
     (new / "manifest.json").write_text(json.dumps(m))
-    os.utime(old, (1, 1))  # the copied one is newer
+    index = art / "tiny" / "rtn4" / "index.json"  # export records the build order; the copy is the newest
+    index.write_text(json.dumps({"versions": [*json.loads(index.read_text())["versions"], new.name]}))
+    stray = old.with_name("v1-ffffffffffff")  # not in the index: written before it, so older
+    shutil.copytree(old, stray)
     t = tables(write_report("tiny", art).read_text())
     row = by_profile(t["Bits per weight"])["rtn4"]
     assert num(row["effective"]) == 7.5

@@ -11,6 +11,7 @@ from pipelines.api import build
 from pipelines.errors import PipelineError
 from pipelines.loader import load_bundle, load_source
 from pipelines.methods.sensitivity import MEASUREMENT, MeasureParams, run_measure
+from pipelines.models.moss_tts_delay import DEFINITION
 from pipelines.api import plan as load_profile
 from pipelines.source import CONFIGS
 from quantizers.errors import QuantizerError
@@ -73,10 +74,34 @@ def test_allocation_protects_by_damage_per_extra_bit_with_name_ties():
     scores = {"a": {3: 0.1, 4: 0.05}, "b": {3: 0.4, 4: 0.05}, "c": {3: 0.1, 4: 0.05}, "d": {3: 0.4, 4: 0.05}}
     order = upgrade_order(scores, numel, 3, [4], 128)
     # b gains most per bit; d gains as much in total but costs four times the bits; a/c tie -> by name
-    assert [u.tensor for u in order] == ["b", "d", "a", "c"]
+    assert [u.tensors for u in order] == [("b",), ("d",), ("a",), ("c",)]
     cost = 1000 * (bits_per_weight(4, 128) - bits_per_weight(3, 128)) / 7000
     widths, _ = allocate(scores, numel, SensitivityConfig(3, [4], protect_budget=cost), 128)
     assert widths == {"a": 3, "b": 4, "c": 3, "d": 3}
+
+
+def test_fused_groups_share_one_width_at_every_budget():
+    """vLLM fuses q/k/v and gate/up into one kernel and refuses mixed widths inside: a group is one unit."""
+    scores, numel = _synthetic()
+    groups = [("t00", "t01", "t02"), ("t04", "t05")]
+    prev = None
+    for target in (2.140625, 2.3, 2.6, 3.0, 4.0, 6.0, 9.0, 16.0):
+        widths, taken = allocate(scores, numel, SensitivityConfig(2, [4, 8, 16], target_bpw=target), 128, groups)
+        for g in groups:
+            assert len({widths[n] for n in g}) == 1, (target, {n: widths[n] for n in g})
+        assert estimated_bpw(widths, numel, 128) <= target + 1e-9
+        if prev is not None:
+            assert all(widths[n] >= prev[n] for n in widths)  # still monotone
+        prev = widths
+    # a group is valued by its members' total damage and cost: the one lone weak member cannot drag it in
+    scores = {"q": {3: 0.5, 4: 0.01}, "k": {3: 0.001, 4: 0.0009}, "o": {3: 0.3, 4: 0.01}}
+    numel = dict.fromkeys(scores, 1000)
+    order = upgrade_order(scores, numel, 3, [4], 128, [("q", "k")])
+    assert [u.tensors for u in order] == [("o",), ("k", "q")]
+    assert allocate(scores, numel, SensitivityConfig(3, [4], protect_budget=0.25), 128, [("k", "q")])[0] == \
+        allocate(scores, numel, SensitivityConfig(3, [4], protect_budget=0.25), 128, [("q", "k")])[0]  # order-free
+    with pytest.raises(QuantizerError, match="'x' has no measured score|x has no measured score"):
+        allocate(scores, numel, SensitivityConfig(3, [4], protect_budget=0.1), 128, [("q", "x")])
 
 
 def test_unreachable_targets_and_unknown_widths_are_refused():
@@ -140,7 +165,12 @@ def test_sens_q3_bundle_is_mixed_bit_auto_round_with_the_allocation_recorded(q3,
     assert m["method_details"]["nominal_bits"] == 3 and m["status"] == "accepted"
     assert MEASUREMENT in m["files"] and m["method_details"]["measurement"]["sha256"] == m["files"][MEASUREMENT]["sha256"]
     qc = json.loads((q3.bundle / "config.json").read_text())["quantization_config"]
-    assert (qc["quant_method"], qc["bits"], qc["group_size"]) == ("auto-round", 3, 128)
+    # symmetric: the grid auto-round's CPU kernels and vLLM's Marlin (4/8-bit) run; asym 3-bit loads as placeholders
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"]) == ("auto-round", 3, 128, True)
+    for block in range(4):  # vLLM's fused qkv_proj / gate_up_proj need one width per group
+        for group in DEFINITION.fused_groups:
+            widths = {alloc["tensors"][f"language_model.layers.{block}.{m}"]["bits"] for m in group}
+            assert len(widths) == 1, (block, group, widths)
     bpw = m["bits_per_weight"]
     # the allocation's own estimate is exactly what the bundle writer counts on disk for the linears
     assert alloc["estimated_backbone_bpw"] == pytest.approx(bpw["components"]["backbone_linears"]["bpw"], abs=1e-5)
@@ -159,7 +189,7 @@ def test_sens_q3_bundle_is_mixed_bit_auto_round_with_the_allocation_recorded(q3,
     src, q = load_source(tiny_path, torch.float32), load_bundle(q3.bundle, torch.float32)
     for name, t in alloc["tensors"].items():
         w, wq = src.get_parameter(name + ".weight"), q.get_parameter(name + ".weight")
-        ref = w if t["bits"] == 16 else fake_quantize(w, RTNConfig(t["bits"], 128, False))
+        ref = w if t["bits"] == 16 else fake_quantize(w, RTNConfig(t["bits"], 128, True))
         assert torch.allclose(wq, ref, atol=1e-6)
 
 

@@ -27,7 +27,7 @@ from quantizers.sensitivity import (KEEP_BF16, SensitivityConfig, allocate, bits
 from ..checkpoint import canonical_json, sha256_file
 from ..engine import FP, Engine
 from ..errors import PipelineError
-from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, MossTTSDelayConfig, block_linear_names
+from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, DEFINITION, MossTTSDelayConfig, block_linear_names
 from ..progress import progress
 from ..source import ROOT, pins_digest
 from .weights import Weights
@@ -177,24 +177,30 @@ def quantize(ctx, cfg: SensitivityConfig, device: str) -> Weights:
         raise PipelineError(f"{MEASUREMENT}: its tensors do not match this model's {len(names)} decoder Linears")
     scores = {n: {int(b): s for b, s in meas["tensors"][n]["scores"].items()} for n in names}
     numel = {n: meas["tensors"][n]["shape"][0] * meas["tensors"][n]["shape"][1] for n in names}
+    groups = [tuple(f"{BLOCK_PREFIX}.{i}.{m}" for m in group)
+              for i in range(mcfg.num_layers) for group in DEFINITION.fused_groups]
     try:
-        widths, taken = allocate(scores, numel, cfg, g)
+        widths, taken = allocate(scores, numel, cfg, g, groups)
     except QuantizerError as e:
         raise PipelineError(f"{where}: {e}") from None
 
-    first_step = {}  # tensor -> (its rank among protected tensors, its first upgrade)
+    first_step, rank = {}, {}  # tensor -> its unit's first upgrade; unit -> its rank among protected units
     for up in taken:
-        first_step.setdefault(up.tensor, (len(first_step) + 1, up))
-    n_prot = len(first_step)
+        rank.setdefault(up.tensors, len(rank) + 1)
+        for name in up.tensors:
+            first_step.setdefault(name, up)
+    n_prot, n_units = len(rank), len(groups) + len(names) - sum(len(x) for x in groups)
     table, quantized, reasons, extra_config = {}, {}, {}, {}
     for name in progress(names, desc="sensitivity", unit="tensor"):
         b = widths[name]
         s = scores[name]
         entry = {"bits": b, "score_at_base": s[cfg.base_bits], "score": 0.0 if b == KEEP_BF16 else s[b]}
         if name in first_step:
-            rank, up = first_step[name]
+            up = first_step[name]
+            fused = f" with its fused group {'/'.join(n.rsplit('.', 1)[1] for n in up.tensors)}" if len(up.tensors) > 1 else ""
             entry["reason"] = (f"score {s[cfg.base_bits]:.3g} at {cfg.base_bits}-bit -> {entry['score']:.3g} at "
-                               f"{'BF16' if b == KEEP_BF16 else f'{b}-bit'}; protected {rank_text(rank, n_prot, len(names))} "
+                               f"{'BF16' if b == KEEP_BF16 else f'{b}-bit'}; protected{fused} "
+                               f"{rank_text(rank[up.tensors], n_prot, n_units)} "
                                f"by damage reduction per extra bit ({up.gain_per_bit:.3g}/bit)")
         table[name] = entry
         if b == KEEP_BF16:
@@ -212,6 +218,7 @@ def quantize(ctx, cfg: SensitivityConfig, device: str) -> Weights:
         "measurement": {"file": MEASUREMENT, "sha256": sha256_file(ctx.dirs["measure"] / MEASUREMENT)},
         "allocation": {
             "rule": "greedy by score reduction per extra stored bit; the longest prefix of the order within the budget",
+            "fused_groups": [list(x) for x in DEFINITION.fused_groups],  # one width each (vLLM's fused qkv/gate_up)
             "target_backbone_bpw": sig(target),
             "estimated_backbone_bpw": sig(estimated_bpw(widths, numel, g)),
             "base_backbone_bpw": sig(bits_per_weight(cfg.base_bits, g)),
@@ -224,4 +231,4 @@ def quantize(ctx, cfg: SensitivityConfig, device: str) -> Weights:
 
 
 def rank_text(rank: int, n_protected: int, n_total: int) -> str:
-    return f"#{rank} of {n_protected} protected ({100 * rank / n_total:.0f}% of {n_total} tensors)"
+    return f"#{rank} of {n_protected} protected ({100 * rank / n_total:.0f}% of {n_total} allocation units)"

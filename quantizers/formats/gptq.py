@@ -16,6 +16,7 @@ from ..rtn import IntWeight
 
 NAME = "gptq"
 QUANT_METHOD = "auto-round"
+PACKING = "auto_round:auto_gptq"
 PARTS = ("qweight", "qzeros", "scales")
 MARKER = "qweight"  # the stored part that marks a packed Linear
 BITS = (2, 3, 4, 8)  # widths auto-round's loaders and this packing share
@@ -83,7 +84,7 @@ def quantization_config(bits: int, group_size: int, sym: bool, block_name: str,
                         extra_config: dict | None = None, **tuning) -> dict:
     cfg = {
         "quant_method": QUANT_METHOD,
-        "packing_format": "auto_round:auto_gptq",
+        "packing_format": PACKING,
         "data_type": "int",
         "bits": bits,
         "group_size": group_size,

@@ -1,0 +1,130 @@
+"""The CPU cells of the serving matrix (README): each shipped generator profile's exported backbone
+loaded by transformers with the quantizer integration it uses for that format, every weight from
+the checkpoint (no placeholder backend), logits against the project's own loader."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from pipelines import calibration
+from pipelines.backbone_export import export_backbone
+from pipelines.checkpoint import Checkpoint
+from pipelines.errors import PipelineError
+from pipelines.loader import load_bundle
+from pipelines.profile import profile_path
+
+AUTO_ROUND = ["rtn4", "autoround-q3", "sens-q3", "sens-q2"]
+# max relative logit error and min top-1 agreement per load dtype. The reference is our loader in
+# float32: fp16/fp32 loads differ only by kernel rounding; bf16 activations carry ~0.4% on their own.
+DTYPES = {"float32": (2e-3, 0.98), "float16": (3e-3, 0.98), "bfloat16": (2e-2, 0.9)}
+
+
+@pytest.fixture(scope="module")
+def exported(shipped, tmp_path_factory):
+    """profile -> (backbone folder, our float32 logits, the inputs_embeds), each exported once."""
+    out = {}
+
+    def get(profile):
+        if profile not in out:
+            bundle = shipped(profile).bundle
+            dest = export_backbone(bundle, tmp_path_factory.mktemp(profile) / "backbone")
+            ours = load_bundle(bundle, dtype=torch.float32)
+            ids = calibration.build("moss-heldout-v1", Checkpoint(bundle).config(), 2, 64).ids
+            with torch.no_grad():
+                x = ours.embed(ids)
+                logits = ours.lm_heads[0](ours.language_model(inputs_embeds=x, use_cache=False).last_hidden_state)
+            out[profile] = (dest, logits, x)
+        return out[profile]
+
+    return get
+
+
+def load_hf(dest, dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(dest, dtype=dtype, device_map="cpu", output_loading_info=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("profile", AUTO_ROUND)
+def test_transformers_loads_each_auto_round_backbone_with_real_weights(exported, profile, dtype):
+    dest, ours, x = exported(profile)
+    hf, info = load_hf(dest, getattr(torch, dtype))
+    assert not info["missing_keys"] and not info["unexpected_keys"], info  # a placeholder backend misses weights
+    for block in hf.model.layers:
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.down_proj"):
+            layer = block.get_submodule(m)
+            assert hasattr(layer, "qweight") or isinstance(layer, torch.nn.Linear), type(layer)
+    with torch.no_grad():
+        got = hf(inputs_embeds=x.to(hf.dtype), use_cache=False).logits.float()
+    max_rel, min_top1 = DTYPES[dtype]
+    rel = ((got - ours).norm() / ours.norm()).item()
+    top1 = (got.argmax(-1) == ours.argmax(-1)).float().mean().item()
+    assert rel < max_rel and top1 >= min_top1, (rel, top1)
+
+
+def test_awq_backbone_names_its_head_and_transformers_refuses_it_loudly_without_gptqmodel(shipped, tmp_path, capsys):
+    dest = export_backbone(shipped("awq4").bundle, tmp_path / "backbone")
+    assert "gptqmodel" in capsys.readouterr().err  # export says what transformers will need
+    qc = json.loads((dest / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] == ["lm_head"]  # the exported module's name, not the bundle's lm_heads
+    pytest.importorskip("transformers")
+    try:
+        import gptqmodel  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="gptqmodel"):
+            load_hf(dest, torch.float16)
+    else:  # pragma: no cover - only where gptqmodel installs (torch >= 2.14.1)
+        hf, info = load_hf(dest, torch.float16)
+        assert not info["missing_keys"]
+
+
+def _asym3_profile(tmp_path):
+    """sens-q3 on the grid it had before: asymmetric 3-bit, for which auto-round has no CPU kernel."""
+    data = yaml.safe_load(profile_path("sens-q3").read_text())
+    data["stages"]["measure"]["sym"] = False
+    path = tmp_path / "sens-q3-asym.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_a_grid_without_a_kernel_is_refused_and_would_have_loaded_placeholders(tmp_path, capsys):
+    from pipelines.api import build
+
+    ctx = build(str(_asym3_profile(tmp_path)), "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "b")
+    assert "no CPU kernel" in capsys.readouterr().err  # the bundle's own export already said it
+    with pytest.raises(PipelineError, match=r"asymmetric 3-bit .*no CPU kernel.*placeholder.*nothing written") as e:
+        export_backbone(ctx.bundle, tmp_path / "backbone")
+    assert "\n" not in str(e.value) and not (tmp_path / "backbone").exists()
+
+    # what the refusal prevents: the same folder written anyway loads with freshly initialised weights
+    import pipelines.backbone_export as be
+
+    real = be.serving.gaps
+    be.serving.gaps = lambda qc: [g for g in real(qc) if not g.refuse]
+    try:
+        dest = export_backbone(ctx.bundle, tmp_path / "forced")
+    finally:
+        be.serving.gaps = real
+    _, info = load_hf(dest, torch.float16)
+    assert any(k.endswith("_proj.weight") for k in info["missing_keys"])  # the placeholder the test above rejects
+    shutil.rmtree(dest)
+
+
+def test_export_names_what_the_runtimes_lack(shipped, capsys):
+    from pipelines import serving
+
+    qc = json.loads((shipped("rtn4").bundle / "config.json").read_text())["quantization_config"]
+    said = [str(g) for g in serving.gaps(qc)]
+    assert any("auto-round-lib" in s and "placeholder" in s for s in said)  # asym 4-bit CPU kernel
+    assert any(s.startswith("vLLM") and "Marlin" in s for s in said)  # asym: no Marlin
+    sym4 = {**qc, "sym": True}
+    assert not [g for g in serving.gaps(sym4) if g.runtime == "vLLM"]  # symmetric 4-bit: Marlin
+    mixed = {**sym4, "extra_config": {"language_model.layers.0.mlp.down_proj": {"bits": 3},
+                                      "language_model.layers.0.mlp.up_proj": {"bits": 16, "data_type": "fp"}}}
+    (gap,) = serving.gaps(mixed)
+    assert "1 layers, e.g. language_model.layers.0.mlp.down_proj" in str(gap) and "gibberish" in str(gap)
