@@ -203,3 +203,31 @@ def test_mossquant_load_decodes_a_codec_bundle(built, capsys):
     out = capsys.readouterr().out
     cfg = read_config(Checkpoint(bundle))
     assert f"decode ok: 4 frames -> {4 * cfg.downsample_rate} samples" in out and "torch.bfloat16" in out
+
+
+def test_compressed_tensors_reads_the_codec_bundle_as_we_do(built):
+    """The ecosystem's own reader: compressed-tensors parses the config (pydantic, strict) and its
+    float-quantized decompressor gives every FP8 Linear exactly our dequantization."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from safetensors import safe_open
+
+    from quantizers.formats.fp8_channel import dequantize
+
+    bundle, _ = built
+    cfg = QuantizationConfig.model_validate(json.loads((bundle / "config.json").read_text())["quantization_config"])
+    assert cfg.format == "float-quantized" and cfg.quantization_status == QuantizationStatus.COMPRESSED
+    (scheme,) = cfg.config_groups.values()
+    n = 0
+    with safe_open(bundle / "model.safetensors", "pt") as f:
+        for key in sorted(k for k in f.keys() if k.endswith(".weight_scale")):
+            module = key[: -len(".weight_scale")]
+            assert module not in cfg.ignore
+            w, s = f.get_tensor(module + ".weight"), f.get_tensor(key)
+            theirs = FloatQuantizationCompressor.decompress({"weight": w, "weight_scale": s}, scheme)["weight"]
+            assert torch.equal(theirs, dequantize(w, s, dtype=theirs.dtype)), (module, ct.__version__)
+            n += 1
+    layout = json.loads((bundle / "manifest.json").read_text())["tensors"]
+    assert n > 0 and n == sum(1 for t in layout.values() if t["format"] == "fp8")
+

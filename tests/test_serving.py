@@ -128,3 +128,22 @@ def test_export_names_what_the_runtimes_lack(shipped, capsys):
                                       "language_model.layers.0.mlp.up_proj": {"bits": 16, "data_type": "fp"}}}
     (gap,) = serving.gaps(mixed)
     assert "1 layers, e.g. language_model.layers.0.mlp.down_proj" in str(gap) and "gibberish" in str(gap)
+
+
+@pytest.mark.parametrize("profile", AUTO_ROUND)
+def test_the_whole_generator_runs_with_the_transformers_backbone(exported, shipped, profile):
+    """What a MOSS user runs beside transformers (README snippet): the exported backbone, the bundle's
+    BF16 audio embeddings and heads as plain modules, the delay-pattern step of pipelines.generate.
+    Greedy codes equal our loader's, frame by frame."""
+    from pipelines.generate import generate, special_ids
+
+    dest, _, _ = exported(profile)
+    bundle = shipped(profile).bundle
+    ours = load_bundle(bundle, dtype=torch.float32)
+    hybrid = load_bundle(bundle, dtype=torch.float32)
+    hybrid.language_model = load_hf(dest, torch.float32)[0].model  # embed_tokens + blocks + norm
+    ids = special_ids(ours.config.raw)
+    prompt = torch.full((6, 1 + ours.config.n_vq), ours.config.audio_pad_code)
+    prompt[:, 0] = torch.tensor([ids["im_start_token_id"], 72, 105, 33, ids["im_end_token_id"], ids["audio_start_token_id"]])
+    want, got = generate(ours, prompt, 40, ids), generate(hybrid, prompt, 40, ids)
+    assert len(want) == len(got) >= 20 and torch.equal(got, want)
