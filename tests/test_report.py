@@ -1,7 +1,6 @@
 """`mossquant report`: real bundles (rtn4 accepted, a 3-bit RTN rejected, codec-fp8) side by side;
 every table value checked against the manifests, the plots exist and are real PNGs."""
 import json
-import os
 import shutil
 
 import pytest
