@@ -153,6 +153,71 @@ def test_folded_scales_keep_the_block_function(tiny_path):
     assert not torch.allclose(layer.input_layernorm.weight, w)
 
 
+def _block_case(tiny_path, index: int, nsamples: int = 8, seqlen: int = 64):
+    """Block `index` of tiny on the fp stream: (config, layer, its input, captured Linear inputs, pos, plan)."""
+    from pipelines.calibration import build
+    from pipelines.methods.awq import plan_groups
+    from quantizers.awq import AWQConfig
+
+    ck = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ck.config())
+    plan, _ = plan_groups(ck, mcfg, AWQConfig())
+    engine = blocks.Engine(mcfg, ck.get, "cpu", torch.float32)
+    x = blocks.embed(mcfg, ck.get, build("moss-calib-v1", ck.config(), nsamples, seqlen, tiny_path).ids, torch.float32)
+    pos = blocks.rotary(mcfg, seqlen, torch.float32)
+    for i in range(index):
+        x = engine.forward(blocks.load_block(mcfg, i, ck.get, torch.float32), x, pos)
+    layer = blocks.load_block(mcfg, index, ck.get, torch.float32)
+    feats = {name: [] for name in BLOCK_LINEARS}
+    engine.forward(layer, x, pos, {name: store.append for name, store in feats.items()})
+    return engine, layer, x, {n: torch.cat(v) for n, v in feats.items()}, pos, plan[index]
+
+
+@pytest.mark.parametrize("index", [0, 3])
+def test_our_search_is_no_worse_than_autoawqs_on_the_same_inputs(tiny_path, index):
+    """The reference: autoawq's own _search_best_scale/_search_best_clip on the same block and inputs.
+    Ours must give a quantized block whose output MSE (against the FP block) is within 1% of autoawq's."""
+    import copy
+
+    from quantizers.awq import AWQConfig, autoawq_quantizer, awq_block, int_weight
+
+    engine, layer, x, feats, pos, groups = _block_case(tiny_path, index)
+    ref_out = engine.forward(layer, x, pos)
+    kwargs = {"position_embeddings": pos, "attention_mask": None}
+    mse, chosen = {}, {}
+    for search in ("autoawq", "ours"):
+        cfg = AWQConfig(search=search)
+        q, block = autoawq_quantizer(cfg), copy.deepcopy(layer)
+        scales, clips = awq_block(q, block, {n: f.clone() for n, f in feats.items()}, kwargs, list(BLOCK_LINEARS),
+                                  groups, cfg)
+        assert sorted(n for n, _ in clips) == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.o_proj",
+                                               "self_attn.v_proj"]
+        chosen[search] = [s.float() for _, _, s in scales]
+        with torch.no_grad():
+            for n in BLOCK_LINEARS:  # the stored grid
+                m = block.get_submodule(n)
+                m.weight.copy_(int_weight(q, m.weight).dequantize(m.weight.dtype))
+        mse[search] = (engine.forward(block, x, pos) - ref_out).pow(2).mean().item()
+    assert mse["ours"] <= 1.01 * mse["autoawq"], mse
+    # the same objective on the same grid: the scales it picks agree with autoawq's
+    for ours, theirs in zip(chosen["ours"], chosen["autoawq"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
+
+
+def test_our_clip_search_matches_autoawqs_rule(tiny_path):
+    """search_clip against autoawq's _compute_best_clip for one weight: the same shrink per group."""
+    from quantizers.awq import AWQConfig, autoawq_quantizer, search_clip
+
+    _, layer, _, feats, _, _ = _block_case(tiny_path, 1)
+    cfg = AWQConfig()
+    for name in ("mlp.down_proj", "self_attn.o_proj"):
+        w = layer.get_submodule(name).weight.detach()
+        theirs = autoawq_quantizer(cfg)._compute_best_clip(w, feats[name])
+        ours = search_clip(cfg, w, feats[name], rows=48)  # several row chunks
+        assert ours.shape == theirs.shape
+        assert (ours == theirs).float().mean() > 0.99  # float ties aside: the same shrink
+
+
 def _profile(tmp: Path, calibrate: dict, quantize: dict) -> Path:
     import yaml
 

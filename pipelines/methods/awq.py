@@ -1,7 +1,7 @@
 """AWQ4: activation-aware scales and clipping per decoder block, stored in the AWQ GEMM layout.
 
-The search is autoawq's (quantizers/awq.py); this module feeds it MOSS activations one block
-at a time: block 0 reads the summed text + n_vq audio embeddings of the multi-channel
+The search is AWQ's (quantizers/awq.py: ours on the device by default, autoawq's own as the
+reference); this module feeds it MOSS activations one block at a time: block 0 reads the summed text + n_vq audio embeddings of the multi-channel
 calibration set, every later block the previous block's FP output (autoawq's order). Scales
 fold into the preceding norm or Linear (the norms are stored BF16 with the folded values).
 """
@@ -23,6 +23,8 @@ from .weights import Weights
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
 MAPPINGS = "INPUT_GROUPS/BLOCK_LINEARS in pipelines/models/moss_tts_delay.py"
+SEARCH_OURS = ("quantizers.awq.search_scale / search_clip: autoawq's objective and grids (20 ratios, 10 clip "
+               "shrinks on 512 sampled tokens), chunked on the device")
 
 
 def plan_groups(ckpt: Checkpoint, mcfg: MossTTSDelayConfig, cfg: AWQConfig) -> tuple[list[list[Group]], list[str]]:
@@ -90,21 +92,21 @@ def calibration_batch(ctx, cfg: AWQConfig) -> torch.Tensor:
 
 
 class AWQHook:
-    """Per block: autoawq's scale search over the input-sharing groups and its clip search, on the
+    """Per block: AWQ's scale search over the input-sharing groups and its clip search, on the
     fp stream's Linear inputs (captured by the engine in its pass over the block); then each
     Linear is quantized on autoawq's zero-point grid and packed in the AWQ GEMM layout."""
 
     streams = (FP,)
     capture = BLOCK_LINEARS
 
-    def __init__(self, q, plan: list[list[Group]], log):
-        self.q, self.plan, self.log = q, plan, log
+    def __init__(self, q, cfg: AWQConfig, plan: list[list[Group]], log):
+        self.q, self.cfg, self.plan, self.log = q, cfg, plan, log
         self.packed, self.folded, self.blocks = {}, {}, []
 
     def on_block(self, step: Step) -> None:
         i, layer = step.index, step.layer
         kwargs = {"position_embeddings": step.position_embeddings, "attention_mask": None}
-        scales, clips = awq_block(self.q, layer, step.captured, kwargs, list(BLOCK_LINEARS), self.plan[i])
+        scales, clips = awq_block(self.q, layer, step.captured, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg)
         pre = f"{BLOCK_PREFIX}.{i}."
         for rel in BLOCK_LINEARS:
             try:
@@ -127,10 +129,12 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
     plan, skipped = plan_groups(ckpt, mcfg, cfg)  # everything refusable is refused before any compute
     ids = calibration_batch(ctx, cfg)
-    hook = AWQHook(autoawq_quantizer(cfg), plan, ctx.log)
+    hook = AWQHook(autoawq_quantizer(cfg), cfg, plan, ctx.log)
     Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq").run(hook, ids)
     details = {
-        "library": "autoawq AwqQuantizer: _search_best_scale, apply_scale, _search_best_clip, apply_clip, pseudo_quantize_tensor",
+        "search": (SEARCH_OURS if cfg.search == "ours" else
+                   "autoawq AwqQuantizer: _search_best_scale, apply_scale, _search_best_clip, apply_clip"),
+        "grid": "autoawq AwqQuantizer.pseudo_quantize_tensor (zero point)",
         "n_grid": N_GRID,
         "search_dtype": str(cfg.torch_dtype(device)).removeprefix("torch."),
         "calibration_tokens": {"nsamples": cfg.nsamples, "seqlen": cfg.seqlen},
