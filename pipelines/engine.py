@@ -130,7 +130,9 @@ class Engine:
             if hasattr(hook, "observe"):  # statistics accumulated per batch instead of inputs kept
                 observe = {name: (lambda x, name=name: hook.observe(i, name, x)) for name in hook.observed}
             fp_out = self.forward(layer, fp, pos, observe)
-            captured = {name: torch.cat(v) for name, v in stores.items()}
+            captured = {}
+            for name in list(stores):  # freed list by list: never the batches and their concatenation at once
+                captured[name] = torch.cat(stores.pop(name))
             out = hook.on_block(Step(i, layer, fp, fp_out, quant, captured, pos, run))
             del captured, stores
             if quant is not None:

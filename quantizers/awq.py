@@ -180,6 +180,7 @@ def apply_scales(layer: nn.Module, scales: list, feats: dict[str, torch.Tensor])
     """Fold each group's 1/s into the module before it (a norm's gain, or the rows of the Linear
     feeding it) and s into the group's Linears and their captured inputs (autoawq's apply_scale,
     without its moves of every module to the host and back)."""
+    divided = set()  # Linears reading one input may share one tensor in `feats`: scale it once
     for prev, names, s in scales:
         op = layer.get_submodule(prev)
         if isinstance(op, nn.Linear):
@@ -191,7 +192,9 @@ def apply_scales(layer: nn.Module, scales: list, feats: dict[str, torch.Tensor])
         for n in names:
             fc = layer.get_submodule(n)
             fc.weight.mul_(s.view(1, -1).to(fc.weight.dtype))
-            feats[n].div_(s.view(1, -1).to(feats[n].dtype))
+            if id(feats[n]) not in divided:
+                feats[n].div_(s.view(1, -1).to(feats[n].dtype))
+                divided.add(id(feats[n]))
 
 
 def apply_clips(layer: nn.Module, clips: list) -> None:
@@ -243,6 +246,8 @@ def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict,
     if cfg is None or cfg.search == "autoawq":
         from awq.quantize.scale import apply_clip, apply_scale
 
+        seen = set()  # autoawq's apply_scale divides every name's input: give shared inputs their own copy
+        feats = {n: f if id(f) not in seen and not seen.add(id(f)) else f.clone() for n, f in feats.items()}
         q.module_kwargs = kwargs
         scales = [
             q._search_best_scale(

@@ -23,6 +23,8 @@ from .weights import Weights
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
 MAPPINGS = "INPUT_GROUPS/BLOCK_LINEARS in pipelines/models/moss_tts_delay.py"
+# Linears reading one input share one captured tensor (q/k/v, gate/up): 4 of the 7 inputs are kept.
+SHARED_INPUT = {rel: lins[0] for _, lins in INPUT_GROUPS for rel in lins[1:]}
 SEARCH_OURS = ("quantizers.awq.search_scale / search_clip: autoawq's objective and grids (20 ratios, 10 clip "
                "shrinks on 512 sampled tokens), chunked on the device")
 
@@ -97,7 +99,7 @@ class AWQHook:
     Linear is quantized on autoawq's zero-point grid and packed in the AWQ GEMM layout."""
 
     streams = (FP,)
-    capture = BLOCK_LINEARS
+    capture = tuple(rel for rel in BLOCK_LINEARS if rel not in SHARED_INPUT)
 
     def __init__(self, q, cfg: AWQConfig, plan: list[list[Group]], log):
         self.q, self.cfg, self.plan, self.log = q, cfg, plan, log
@@ -106,7 +108,8 @@ class AWQHook:
     def on_block(self, step: Step) -> None:
         i, layer = step.index, step.layer
         kwargs = {"position_embeddings": step.position_embeddings, "attention_mask": None}
-        scales, clips = awq_block(self.q, layer, step.captured, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg)
+        feats = {rel: step.captured[SHARED_INPUT.get(rel, rel)] for rel in BLOCK_LINEARS}
+        scales, clips = awq_block(self.q, layer, feats, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg)
         pre = f"{BLOCK_PREFIX}.{i}."
         for rel in BLOCK_LINEARS:
             try:
