@@ -52,9 +52,9 @@ def _cpu_backends(bits: int, sym: bool) -> list[tuple[str, list[str]]]:
     """auto-round's real CPU kernels for GPTQ-packed layers of this grid: (backend, requirements)."""
     from auto_round.inference.backend import BackendInfos
 
+    usable = lambda name: name not in NO_KERNEL_BACKENDS and (sys.platform == "darwin" or name not in APPLE_ONLY)  # noqa: E731
     return [(name, list(b.requirements or [])) for name, b in sorted(BackendInfos.items())
-            if name not in NO_KERNEL_BACKENDS and (sys.platform == "darwin" or name not in APPLE_ONLY) and "cpu" in b.device and gptq.PACKING in b.packing_format
-            and bits in b.bits and sym in b.sym]
+            if usable(name) and "cpu" in b.device and gptq.PACKING in b.packing_format and bits in b.bits and sym in b.sym]
 
 
 def _grid_name(bits: int, sym: bool) -> str:

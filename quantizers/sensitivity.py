@@ -5,9 +5,9 @@ calibration activations X, ||X (W_q - W)^T||^2 / ||X W^T||^2, computed exactly f
 input Gram matrix H = X^T X as tr(dW H dW^T) / tr(W H W^T).
 
 Allocation: every tensor starts at the base width; upgrades to a protect width are taken
-greedily by score reduction per extra stored bit, a fused group (q/k/v, gate/up) as one unit. The upgrade order does not depend on the
-budget and the allocation is its longest prefix that fits, so more budget always protects
-a superset (and never lowers a width).
+greedily by score reduction per extra stored bit, a fused group (q/k/v, gate/up) as one unit.
+The upgrade order does not depend on the budget and the allocation is its longest prefix that
+fits, so more budget always protects a superset (and never lowers a width).
 """
 from __future__ import annotations
 
