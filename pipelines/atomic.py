@@ -76,13 +76,14 @@ def publish(tmp: Path, dest: Path, replace: bool = True) -> None:
 
 
 @contextmanager
-def atomic_file(dest: Path):
+def atomic_file(dest: Path, replace: bool = False):
     """Yield a temporary path next to `dest`; when the block ends without an error it is synced and
-    renamed to `dest` (which must not exist yet: files this project publishes are never replaced)."""
+    renamed to `dest`. Published files are never replaced (dest must not exist) unless `replace`:
+    an index that grows."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     clean_orphans(dest.parent)
-    if dest.exists():
+    if dest.exists() and not replace:
         raise FileExistsError(dest)
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     try:

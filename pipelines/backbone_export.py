@@ -27,7 +27,7 @@ def backbone_name(name: str) -> str | None:
 
 def _module_name(name: str) -> str | None:
     """A module name or prefix of the bundle as it is in the backbone ('lm_heads' -> 'lm_head')."""
-    if name in ("lm_heads", "lm_heads.0"):
+    if name == "lm_heads":  # the prefix of every head; only the text head is in the backbone
         return "lm_head"
     new = backbone_name(name + ".")
     return new.rstrip(".") if new else None
@@ -42,25 +42,25 @@ def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path
     config = ckpt.config()
     if config.get("model_type") != "moss_tts_delay":
         raise PipelineError(f"{bundle / 'config.json'}: model_type {config.get('model_type')!r}, expected 'moss_tts_delay'")
-    tensors = {new: ckpt.get(n, check_finite=False) for n in ckpt.keys() if (new := backbone_name(n))}
-    qwen3 = {k: v for k, v in config["language_config"].items() if k not in ("transformers_version", "torch_dtype")}
-    qwen3.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
-                 dtype=config.get("dtype", "bfloat16"))
     qc = config.get("quantization_config")
-    gaps = serving.gaps(qc)
+    gaps = serving.gaps(qc)  # before any tensor is read: a refusal costs nothing
     refused = [g for g in gaps if g.refuse]
     if refused:  # this folder exists to be loaded by transformers/vLLM: never hand them placeholders
         raise PipelineError(f"{bundle}: {refused[0]}; rebuild on a grid it has kernels for (sym: true), "
                             "nothing written")
     serving.warn(gaps, str(dest))
-    if qc:
+    tensors = {new: ckpt.get(n, check_finite=False) for n in ckpt.keys() if (new := backbone_name(n))}
+    qwen3 = {k: v for k, v in config["language_config"].items() if k not in ("transformers_version", "torch_dtype")}
+    qwen3.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False,
+                 dtype=config.get("dtype", "bfloat16"))
+    if qc:  # every module name in it as the backbone names the module
         qc = dict(qc)
-        if "modules_to_not_convert" in qc:  # names of the exported modules (lm_heads.0 is lm_head here)
+        if "modules_to_not_convert" in qc:
             qc["modules_to_not_convert"] = sorted({_module_name(m) for m in qc["modules_to_not_convert"]} - {None})
         if "block_name_to_quantize" in qc:
-            qc["block_name_to_quantize"] = backbone_name(qc["block_name_to_quantize"] + ".").rstrip(".")
+            qc["block_name_to_quantize"] = _module_name(qc["block_name_to_quantize"])
         if qc.get("extra_config"):
-            qc["extra_config"] = {backbone_name(k + ".").rstrip("."): v for k, v in sorted(qc["extra_config"].items())}
+            qc["extra_config"] = {_module_name(k): v for k, v in sorted(qc["extra_config"].items())}
         qwen3["quantization_config"] = qc
     with atomic_folder(dest, replace=False) as tmp:  # an existing dest makes the rename fail: never overwritten
         write_sharded(tmp, tensors, shard_size_mb << 20)

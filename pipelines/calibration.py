@@ -18,16 +18,9 @@ import yaml
 
 from . import portable_random as rnd
 from .errors import PipelineError
+from .models.moss_tts_delay import SPECIAL_IDS
 from .source import CONFIGS
 
-UPSTREAM_IDS = {
-    "im_start_token_id": 151644,
-    "im_end_token_id": 151645,
-    "audio_start_token_id": 151652,
-    "audio_end_token_id": 151653,
-    "audio_assistant_gen_slot_token_id": 151656,
-    "audio_assistant_delay_slot_token_id": 151662,
-}
 
 
 @dataclass
@@ -128,7 +121,7 @@ def build(name: str, model_config: dict, nsamples: int, seqlen: int, snapshot: P
     lc = model_config["language_config"]
     vocab, n_vq = lc["vocab_size"], model_config["n_vq"]
     size, pad = model_config["audio_vocab_size"], model_config.get("audio_pad_code", model_config["audio_vocab_size"])
-    ids_of = {k: model_config.get(k, v) for k, v in UPSTREAM_IDS.items()}
+    ids_of = {k: model_config.get(k, v) for k, v in SPECIAL_IDS.items()}
     if any(v >= vocab for v in ids_of.values()):
         raise PipelineError(f"config.json: special token ids {ids_of} exceed vocab_size {vocab}")
     encode, tok_kind = _tokenizer(snapshot, vocab)

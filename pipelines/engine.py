@@ -13,8 +13,7 @@ output. Two streams can flow side by side:
 A method hooks into the loop (llm-compressor's layer_sequential pattern): the engine runs block i
 on the fp stream, capturing the inputs of the Linears the hook asks for (statistics in that one
 pass), then calls `hook.on_block(step)`. The hook searches, tunes or measures the block, may
-change it in place, and returns the block's output on the quant stream when it computed it (or
-the quantized block, which the engine then runs on the quant stream itself).
+change it in place, and returns the block's output on the quant stream when it has one.
 """
 from __future__ import annotations
 
@@ -82,7 +81,7 @@ class BlockHook(Protocol):
     capture: tuple[str, ...]  # Linear names (relative to the block) whose fp-stream inputs it needs
     # Or, instead of keeping inputs: `observed` names and `observe(block, name, batch_input)`.
 
-    def on_block(self, step: Step) -> torch.Tensor | nn.Module | None: ...
+    def on_block(self, step: Step) -> torch.Tensor | None: ...
 
 
 @dataclass
@@ -120,7 +119,7 @@ class Engine:
         fp = embed(self.cfg, self.get, ids, self.dtype, self.device).to(host)
         quant = None
         if QUANT in hook.streams:
-            quant = embed(self.cfg, quant_get, ids, self.dtype, self.device).to(host) if quant_get else fp.clone()
+            quant = embed(self.cfg, quant_get, ids, self.dtype, self.device).to(host) if quant_get else fp
         pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
         run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
         for i in progress(range(self.cfg.num_layers), desc=self.desc, unit="block"):
@@ -128,7 +127,7 @@ class Engine:
             stores = {name: [] for name in hook.capture}
             observe = {name: store.append for name, store in stores.items()}
             if hasattr(hook, "observe"):  # statistics accumulated per batch instead of inputs kept
-                observe = {name: (lambda x, name=name: hook.observe(i, name, x)) for name in hook.observed}
+                observe = {name: (lambda x, name=name: hook.observe(name, x)) for name in hook.observed}
             fp_out = self.forward(layer, fp, pos, observe)
             captured = {}
             for name in list(stores):  # freed list by list: never the batches and their concatenation at once
@@ -136,7 +135,7 @@ class Engine:
             out = hook.on_block(Step(i, layer, fp, fp_out, quant, captured, pos, run))
             del captured, stores
             if quant is not None:
-                quant = self.forward(out, quant, pos) if isinstance(out, nn.Module) else out
+                quant = out
             fp = fp_out
             del layer
         self.last = {FP: fp, QUANT: quant}

@@ -9,6 +9,7 @@ the profile asks: one implementation and one manifest shape for every method.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,9 +17,9 @@ import torch
 
 from quantizers.rtn import RTNConfig, fake_quantize
 
-from .calibration import UPSTREAM_IDS, build
+from .calibration import build
 from .engine import FP, QUANT, Engine, final_norm, load_block
-from .models.moss_tts_delay import MossTTSDelayConfig
+from .models.moss_tts_delay import SPECIAL_IDS, MossTTSDelayConfig
 
 BASELINES = ("rtn",)
 
@@ -57,7 +58,7 @@ def _kl_top1(ref: torch.Tensor, q: torch.Tensor, mask: torch.Tensor):
 
 def audio_positions(config: dict, ids: torch.Tensor) -> torch.Tensor:
     """(N, S) bool: where the text channel holds an audio gen/delay slot (audio heads are scored there)."""
-    slots = [config.get(k, UPSTREAM_IDS[k]) for k in
+    slots = [config.get(k, SPECIAL_IDS[k]) for k in
              ("audio_assistant_gen_slot_token_id", "audio_assistant_delay_slot_token_id")]
     return torch.isin(ids[..., 0], torch.tensor(slots))
 
@@ -131,7 +132,7 @@ def rtn_getter(get, layout: dict):
 
 def run(ctx, params: EvaluateParams, out: Path) -> dict:
     from .loader import stage_view
-    from .quantize import load
+    from .quantize import META
     from .scorers import GreedyTokens, load_scorers, run_scorers
     from .stages import resolve_device
 
@@ -149,7 +150,7 @@ def run(ctx, params: EvaluateParams, out: Path) -> dict:
         metrics.update(run_scorers(scorers, tokens.reference, tokens.candidate, context))
     result = {"dataset": {"name": held.name, "sha256": held.sha256}, "metrics": metrics}
     if params.baseline == "rtn":
-        _, meta = load(ctx.dirs["quantize"])
+        meta = json.loads((ctx.dirs["quantize"] / META).read_text())  # the layout only: tensors are in `view`
         result["baseline"] = {
             "method": "rtn", "what": "round-to-nearest on each quantized tensor's own grid (bits, group size, symmetry)",
             "metrics": compare(config, ckpt.get, rtn_getter(ckpt.get, meta["layout"]), held.ids, device=device,

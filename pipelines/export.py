@@ -114,10 +114,8 @@ def write_bundle(dest: Path, build) -> Path:
 def same_payload(a: Path, b: Path) -> bool:
     """Same files with the same hashes (the manifest's figures may differ in the last digits when
     the environment differs: another thread count, say)."""
-    import json
-
-    fa, fb = (json.loads((p / manifest.FILE).read_text()).get("files") for p in (a, b))
-    return fa is not None and fa == fb
+    fa, fb = (manifest.read(p)["files"] for p in (a, b))
+    return fa == fb
 
 
 def run(ctx, params: ExportParams, out: Path) -> dict:
@@ -127,14 +125,14 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
     ckpt = ctx.checkpoint()
     stage_keys = {k: v for k, v in ctx.keys.items() if k != "export"}
     version = version_id(stage_keys)
-    folder = ctx.bundle_root if getattr(ctx, "bundle_root", None) else ARTIFACTS / ctx.spec.name / ctx.profile.name
+    folder = ctx.bundle_root or ARTIFACTS / ctx.spec.name / ctx.profile.name
     gate = ctx.results.get("gate", {"status": "unchecked", "checks": []})
     kept = meta.get("kept")
     source_shapes = kept if kept is not None else {k: ckpt.shape(k) for k in ckpt.keys()}
     environment = ctx.environments["quantize"]  # where the weights were made
 
     def build(tmp: Path):
-        files = write_sharded(tmp, tensors, params.shard_size_mb << 20)
+        write_sharded(tmp, tensors, params.shard_size_mb << 20)
         config = dict(ckpt.config())
         config.update(meta["config"], quantization_config=meta["quantization_config"])
         (tmp / "config.json").write_text(canonical_json(config, indent=2))

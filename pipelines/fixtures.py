@@ -18,17 +18,8 @@ from . import portable_random as rnd
 from .atomic import atomic_folder
 from .checkpoint import INDEX, canonical_json, shard_names, shard_plan
 from .errors import PipelineError
+from .models.moss_tts_delay import SPECIAL_IDS
 
-SPECIAL_IDS_UPSTREAM = {
-    "pad_token_id": 151643,
-    "im_start_token_id": 151644,
-    "im_end_token_id": 151645,
-    "audio_start_token_id": 151652,
-    "audio_end_token_id": 151653,
-    "audio_user_slot_token_id": 151654,
-    "audio_assistant_gen_slot_token_id": 151656,
-    "audio_assistant_delay_slot_token_id": 151662,
-}
 
 SHAPES = {
     # hidden, ffn, layers, heads, kv heads, head_dim, vocab, n_vq, audio codes, shard bytes
@@ -46,9 +37,9 @@ SHAPES = {
 def fixture_config(name: str) -> dict:
     s = SHAPES[name]
     special = (
-        SPECIAL_IDS_UPSTREAM
+        SPECIAL_IDS
         if s["vocab"] > 151662
-        else {k: s["vocab"] - 8 + i for i, k in enumerate(SPECIAL_IDS_UPSTREAM)}  # remapped into a small vocab
+        else {k: s["vocab"] - 8 + i for i, k in enumerate(SPECIAL_IDS)}  # remapped into a small vocab
     )
     language = {
         "model_type": "qwen3",

@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .models.moss_tts_delay import SPECIAL_IDS
+
 NEG_INF = float("-inf")
-UPSTREAM = {"pad_token_id": 151643, "im_start_token_id": 151644, "im_end_token_id": 151645,
-            "audio_start_token_id": 151652, "audio_end_token_id": 151653,
-            "audio_assistant_gen_slot_token_id": 151656, "audio_assistant_delay_slot_token_id": 151662}
 
 
 @dataclass
@@ -98,7 +97,7 @@ class DelayState:
 
 
 def special_ids(config: dict) -> dict:
-    return {k: int(config.get(k, v)) for k, v in UPSTREAM.items()}
+    return {k: int(config.get(k, v)) for k, v in SPECIAL_IDS.items()}
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from quantizers.errors import QuantizerError
 from quantizers.formats import ggml
 
 from .errors import PipelineError
-from .models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig
+from .models.moss_tts_delay import BLOCK_PREFIX, SPECIAL_IDS, MossTTSDelayConfig
 
 ARCH = "moss-tts-delay"
 LINEAR_TYPES = ("exact", "Q4_0", "Q4_1", "Q5_0", "Q8_0")
@@ -33,14 +33,9 @@ BLOCK_NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-SPECIAL_KEYS = {  # config.json key -> the fork's metadata key (moss-tts-delay.<key>)
-    "pad_token_id": "pad_token_id", "im_start_token_id": "im_start_token_id", "im_end_token_id": "im_end_token_id",
-    "audio_start_token_id": "audio_start_token_id", "audio_end_token_id": "audio_end_token_id",
-    "audio_user_slot_token_id": "audio_user_slot_token_id",
-    # the converter writes audio_assistant_*; the runtime tool reads audio_*_slot: both are written
-    "audio_assistant_gen_slot_token_id": ("audio_assistant_gen_slot_token_id", "audio_gen_slot_token_id"),
-    "audio_assistant_delay_slot_token_id": ("audio_assistant_delay_slot_token_id", "audio_delay_slot_token_id"),
-}
+# The converter writes audio_assistant_*; the runtime tool reads audio_*_slot: both are written.
+SLOT_ALIASES = {"audio_assistant_gen_slot_token_id": "audio_gen_slot_token_id",
+                "audio_assistant_delay_slot_token_id": "audio_delay_slot_token_id"}
 
 
 @dataclass
@@ -177,10 +172,11 @@ def write_gguf(view, config: dict, snapshot: Path, fixture: bool, params: GGUFPa
     w.add_uint32(f"{ARCH}.audio_vocab_size", cfg.audio_vocab_size)
     w.add_uint32(f"{ARCH}.audio_pad_code", cfg.audio_pad_code)
     w.add_uint32(f"{ARCH}.sampling_rate", cfg.sampling_rate)
-    for key, names in SPECIAL_KEYS.items():
+    for key in SPECIAL_IDS:  # config.json key = the fork's metadata key (moss-tts-delay.<key>)
         if isinstance(config.get(key), int):
-            for n in (names if isinstance(names, tuple) else (names,)):
-                w.add_uint32(f"{ARCH}.{n}", int(config[key]))
+            for n in (key, SLOT_ALIASES.get(key)):
+                if n:
+                    w.add_uint32(f"{ARCH}.{n}", int(config[key]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -205,7 +201,7 @@ def write_gguf(view, config: dict, snapshot: Path, fixture: bool, params: GGUFPa
             except QuantizerError as e:
                 raise PipelineError(f"{name}: {e}") from None
             w.add_tensor(gname, data, raw_dtype=gguf.GGMLQuantizationType[kind])
-            exact, n = ggml.fits(iw, kind), iw.q.numel()
+            exact, n = kind in ggml.RANGES, iw.q.numel()  # pack refused an exact type that does not fit
         else:
             t = view(name)
             if t.dim() == 1:  # norms: F32, as the converter writes them

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from .atomic import fsync_dir
+from .atomic import atomic_file
 from .checkpoint import canonical_json, sha256_file
 from .errors import PipelineError
 
@@ -67,12 +67,8 @@ def record(folder: Path, version: str) -> None:
     if version in order:
         order.remove(version)
     order.append(version)
-    tmp = index.with_name(f".{INDEX}.tmp")
-    tmp.write_text(canonical_json({"versions": order}, indent=2))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(index)
-    fsync_dir(folder)
+    with atomic_file(index, replace=True) as tmp:
+        tmp.write_text(canonical_json({"versions": order}, indent=2))
 
 
 def _order(folder: Path) -> list[str]:

@@ -81,7 +81,6 @@ def collect(model: str, root: Path) -> list[Entry]:
         if newest is None:
             continue
         m = manifest.read(newest)
-        found = [newest]
         where = newest / "manifest.json"
         for key in REQUIRED:
             if key not in m:
@@ -91,7 +90,7 @@ def collect(model: str, root: Path) -> list[Entry]:
         for key in ("effective", "components", "header_bits", "source_params"):
             if key not in m["bits_per_weight"]:
                 raise PipelineError(f"{where}: bits_per_weight.{key} missing")
-        entries.append(Entry(found[-1], m))
+        entries.append(Entry(newest, m))
     if not entries:
         raise PipelineError(f"{folder}: no bundles of model {model!r} (expected <profile>/v1-*/manifest.json; "
                             f"build one with `mossquant quantize PROFILE --model {model}`)")

@@ -36,11 +36,10 @@ class Gap:
 def layer_grids(qc: dict) -> dict[tuple[int, bool], list[str]]:
     """{(bits, sym): modules} of an auto-round config; "*" stands for every layer on the base grid."""
     grids = {(int(qc["bits"]), bool(qc.get("sym", False))): ["*"]}
-    for module, layer in sorted((qc.get("extra_config") or {}).items()):
-        if int(layer.get("bits", qc["bits"])) >= 16:
-            continue  # left unquantized: a plain Linear everywhere
-        key = (int(layer.get("bits", qc["bits"])), bool(layer.get("sym", qc.get("sym", False))))
-        grids.setdefault(key, []).append(module)
+    for module in sorted(qc.get("extra_config") or {}):
+        bits, _, sym = gptq.layer_grid(qc, module)
+        if bits < 16:  # 16: left unquantized, a plain Linear everywhere
+            grids.setdefault((bits, sym), []).append(module)
     return grids
 
 

@@ -86,15 +86,17 @@ def stage_code(module: str) -> str:
     """The code a stage runs: its module's import closure, and the numeric libraries' versions (a
     stage function from outside the project, a test's stand-in say, contributes its project imports only)."""
     graph = _graph()
-    h = hashlib.sha256(code_digest(ROOT, sorted(m for m in closure(graph, module) if m in graph)).encode())
-    h.update(canonical_json(library_versions()).encode())
-    return h.hexdigest()
+    return _code_hash(m for m in closure(graph, module) if m in graph)
 
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
     """The whole project's code (recorded in manifests: `rebuild` says when it changed)."""
-    h = hashlib.sha256(code_digest(ROOT, sorted(_graph())).encode())
+    return _code_hash(_graph())
+
+
+def _code_hash(modules) -> str:
+    h = hashlib.sha256(code_digest(ROOT, sorted(modules)).encode())
     h.update(canonical_json(library_versions()).encode())
     return h.hexdigest()
 

@@ -10,8 +10,8 @@ shrink instead of an elementwise product. What autoawq 0.2.9 does slowly, and th
 its module forward runs in batches of `n_parallel_calib_samples` and copies every batch's output
 to the host, it snapshots the inspected module to the host and reloads it after every ratio, and
 it syncs on every loss chunk. `search: autoawq` runs autoawq's own `_search_best_scale` /
-`_search_best_clip` (the reference: tests compare the two on the same inputs). Both fold the
-scales with autoawq's `apply_scale` and clip with its `apply_clip`.
+`_search_best_clip` with its `apply_scale` / `apply_clip` (the reference: tests compare the two on
+the same inputs); ours folds and clips on the device (`apply_scales`, `apply_clips`).
 
 autoawq's `AwqQuantizer.__init__` wants a whole Hugging Face model and a hub text dataset, so it
 is built bare here and only its per-block functions are used.
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
+from inspect import signature
 from types import SimpleNamespace
 
 import torch
@@ -123,7 +125,8 @@ class _Snapshotting(nn.Module):
 
 
 def pseudo_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """autoawq's zero-point grid (pseudo_quantize_tensor), for groups along the last dimension."""
+    """autoawq's zero-point grid (pseudo_quantize_tensor), for groups along the last dimension: the
+    same arithmetic without its NaN asserts, each a host sync, called 30 times per Linear here."""
     shape = w.shape
     w = w.reshape(-1, group_size)
     hi, lo = w.amax(dim=1, keepdim=True), w.amin(dim=1, keepdim=True)
@@ -235,7 +238,7 @@ def search_clip(cfg: AWQConfig, w: torch.Tensor, x: torch.Tensor, n_grid: int = 
 
 @torch.no_grad()
 def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict, linears: list[str], groups: list[Group],
-              cfg: AWQConfig | None = None):
+              cfg: AWQConfig):
     """Search and apply AWQ scales over `groups`, then clipping over `linears`, on one block in place.
 
     `feats` holds every Linear's inputs on the fp stream (what autoawq's `_get_input_feat` collects;
@@ -243,7 +246,7 @@ def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict,
     [(linear, max_val)]).
     """
     named = {name: layer.get_submodule(name) for name in linears}
-    if cfg is None or cfg.search == "autoawq":
+    if cfg.search == "autoawq":
         from awq.quantize.scale import apply_clip, apply_scale
 
         seen = set()  # autoawq's apply_scale divides every name's input: give shared inputs their own copy
@@ -267,7 +270,8 @@ def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict,
     scales = []
     for g in groups:
         module = layer.get_submodule(g.inspect) if g.inspect else named[g.linears[0]]
-        inspect = (lambda c, m=module: m(c, **kwargs)) if g.inspect == "self_attn" else module
+        takes = signature(module.forward).parameters  # the block's kwargs the module accepts (autoawq's rule)
+        inspect = partial(module, **{k: v for k, v in kwargs.items() if k in takes})
         scales.append((g.prev, g.linears, search_scale(cfg, [named[n] for n in g.linears], inspect, feats[g.linears[0]])))
     apply_scales(layer, scales, feats)
     # autoawq's rule: no clipping of q/k (through the q.k product the output MSE is a poor guide)

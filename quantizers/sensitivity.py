@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import QuantizerError
+from .formats import gptq
 from .rtn import SUPPORTED_BITS, RTNConfig, fake_quantize
 
 KEEP_BF16 = 16  # a protect width of 16 means: store the source BF16 weight as is
@@ -27,9 +28,9 @@ def sig(x: float, digits: int = 6) -> float:
 
 
 def bits_per_weight(bits: int, group_size: int) -> float:
-    """Stored bits per weight of one GPTQ-packed Linear: the b-bit code plus an fp16 scale and a
-    b-bit zero per group (zeros are stored for symmetric grids too); 16 for a BF16 weight."""
-    return 16.0 if bits == KEEP_BF16 else bits + (16 + bits) / group_size
+    """Stored bits per weight of one GPTQ-packed Linear, as the format counts them (one group of
+    one row); 16 for a BF16 weight."""
+    return 16.0 if bits == KEEP_BF16 else gptq.stored_bits(1, group_size, bits, group_size) / group_size
 
 
 @dataclass

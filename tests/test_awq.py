@@ -145,7 +145,7 @@ def test_folded_scales_keep_the_block_function(tiny_path):
     before = engine.forward(layer, x, pos, {name: store.append for name, store in feats.items()})
     feats = {name: torch.cat(v) for name, v in feats.items()}
     scales, clips = awq_block(autoawq_quantizer(cfg), layer, feats, {"position_embeddings": pos, "attention_mask": None},
-                              list(BLOCK_LINEARS), plan[0])
+                              list(BLOCK_LINEARS), plan[0], cfg)
     assert clips == [] and len(scales) == 3
     assert max(s.max() / s.min() for _, _, s in scales) > 2  # the search chose non-trivial scales
     torch.testing.assert_close(engine.forward(layer, x, pos), before, rtol=1e-4, atol=1e-4)

@@ -79,7 +79,7 @@ class MeasureHook:
         self.ckpt, self.params, self.device = ckpt, params, device
         self.grams, self.tensors = {}, {}
 
-    def observe(self, block: int, name: str, x: torch.Tensor) -> None:
+    def observe(self, name: str, x: torch.Tensor) -> None:
         g = gram(x)
         self.grams[name] = g if name not in self.grams else self.grams[name] + g
 

@@ -17,6 +17,17 @@ from ..errors import PipelineError
 from .definition import Component, Definition
 
 BLOCK_PREFIX = "language_model.layers"
+# MOSS-TTS's special token ids (its config.json and the llama.cpp runtime assume these values)
+SPECIAL_IDS = {
+    "pad_token_id": 151643,
+    "im_start_token_id": 151644,
+    "im_end_token_id": 151645,
+    "audio_start_token_id": 151652,
+    "audio_end_token_id": 151653,
+    "audio_user_slot_token_id": 151654,
+    "audio_assistant_gen_slot_token_id": 151656,
+    "audio_assistant_delay_slot_token_id": 151662,
+}
 BLOCK_LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",

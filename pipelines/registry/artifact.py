@@ -170,7 +170,7 @@ def build_artifact(bundle: Path, force: bool = False) -> Artifact:
     return Artifact(manifest, digest_of(manifest), [config_blob, *blobs], version, [moving] if accepted else [])
 
 
-def gguf_artifact(bundle: Path, art: Artifact) -> Artifact | None:
+def gguf_artifact(art: Artifact) -> Artifact | None:
     """The bundle's GGUF as a Docker model artifact (tags `<version>-gguf`, `<model>-<profile>-gguf`).
 
     Its one layer is the blob the ModelPack manifest already lists, so pushing it uploads only a config.

@@ -93,7 +93,7 @@ def push(registry: Registry, bundle: Path, force: bool = False) -> PushResult:
     re-run only sends what is still missing. A bundle with a GGUF also gets its Docker model tags.
     """
     art: Artifact = build_artifact(Path(bundle), force=force)
-    extra = gguf_artifact(Path(bundle), art)
+    extra = gguf_artifact(art)
     arts = [art] + ([extra] if extra else [])
     for a in arts:
         old = registry.resolve(a.version_tag)

@@ -61,11 +61,6 @@ def codes(iw: IntWeight) -> torch.Tensor:
     return iw.q
 
 
-def stored_bits(out_features: int, in_features: int, bits: int, group_size: int) -> int:
-    """4-bit codes, plus per (group, output) an fp16 scale and a 4-bit zero."""
-    return out_features * in_features * 4 + (in_features // group_size) * out_features * (16 + 4)
-
-
 def quantization_config(group_size: int, modules_to_not_convert: list[str]) -> dict:
     return {"quant_method": QUANT_METHOD, "version": "gemm", "bits": 4, "group_size": group_size,
             "zero_point": True, "modules_to_not_convert": list(modules_to_not_convert)}

@@ -52,10 +52,6 @@ def codes(w: FP8Weight) -> torch.Tensor:
     return w.weight.view(torch.uint8)
 
 
-def stored_bits(out_features: int, in_features: int, bits: int = 8, group_size=None) -> int:
-    return out_features * in_features * 8 + out_features * 32
-
-
 def quantization_config(ignore: list[str], targets: tuple[str, ...] = ("Linear",)) -> dict:
     """FP8 weight-only, per-channel, compressed-tensors format; `ignore` names the modules that
     `targets` match but that stay unquantized (BF16)."""

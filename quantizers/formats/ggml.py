@@ -33,10 +33,6 @@ TYPE_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 EXACT_ORDER = ("Q4_0", "Q5_0", "Q8_0")  # the smallest exact type wins when a profile asks for "exact"
 
 
-def bits_per_weight(ggml_type: str) -> float:
-    return 8 * TYPE_BYTES[ggml_type] / BLOCK
-
-
 def _codes(iw: IntWeight) -> tuple[np.ndarray, np.ndarray]:
     """(q - z per weight [out, in] int32, the fp16 scale of each 32-block [out, in/32])."""
     out_f, in_f = iw.q.shape
@@ -50,17 +46,25 @@ def _codes(iw: IntWeight) -> tuple[np.ndarray, np.ndarray]:
     return rel, scales
 
 
-def fits(iw: IntWeight, ggml_type: str) -> bool:
-    """Whether `ggml_type` holds these integers exactly."""
-    if ggml_type == "Q4_1":
-        return False
-    lo, hi = {"Q4_0": (-8, 7), "Q5_0": (-16, 15), "Q8_0": (-128, 127)}[ggml_type]
+RANGES = {"Q4_0": (-8, 7), "Q5_0": (-16, 15), "Q8_0": (-128, 127)}  # q - z each type holds (Q4_1: none exactly)
+
+
+def _span(iw: IntWeight) -> tuple[int, int]:
     rel = iw.q.to(torch.int64) - iw.zeros.repeat_interleave(iw.group_size, dim=1).to(torch.int64)
-    return bool(rel.min() >= lo and rel.max() <= hi)
+    return int(rel.min()), int(rel.max())
+
+
+def fits(iw: IntWeight, ggml_type: str, span: tuple[int, int] | None = None) -> bool:
+    """Whether `ggml_type` holds these integers exactly."""
+    if ggml_type not in RANGES:
+        return False
+    (lo, hi), (mn, mx) = RANGES[ggml_type], span or _span(iw)
+    return lo <= mn and mx <= hi
 
 
 def exact_type(iw: IntWeight) -> str | None:
-    return next((t for t in EXACT_ORDER if fits(iw, t)), None)
+    span = _span(iw)
+    return next((t for t in EXACT_ORDER if fits(iw, t, span)), None)
 
 
 def _nibbles(c: np.ndarray) -> np.ndarray:
@@ -72,9 +76,9 @@ def _nibbles(c: np.ndarray) -> np.ndarray:
 def pack(iw: IntWeight, ggml_type: str) -> np.ndarray:
     """[out, in/32 * type bytes] uint8: the rows of the tensor as ggml blocks."""
     out_f, in_f = iw.q.shape
-    if ggml_type != "Q4_1" and not fits(iw, ggml_type):
-        raise QuantizerError(f"{ggml_type} cannot hold this {iw.bits}-bit grid exactly (sym={iw.sym})")
     rel, d = _codes(iw)
+    if ggml_type in RANGES and not fits(iw, ggml_type, (int(rel.min()), int(rel.max()))):
+        raise QuantizerError(f"{ggml_type} cannot hold this {iw.bits}-bit grid exactly (sym={iw.sym})")
     n = out_f * in_f // BLOCK
     rel, d = rel.reshape(n, BLOCK), d.reshape(n, 1)
     dbytes = d.view(np.uint8).reshape(n, 2)
