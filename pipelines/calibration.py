@@ -59,10 +59,19 @@ def _tokenizer(snapshot: Path | None, vocab: int):
 
 
 def code_process(stream: str, samples: range, frames: int, n_vq: int, size: int, p: dict) -> torch.Tensor:
-    """(len(samples), frames, n_vq) codes: codebook k repeats its previous code with probability
+    """(len(samples), frames, n_vq) codes from one of two processes (`kind` in the set's YAML).
+
+    persistence (the default): codebook k repeats its previous code with probability
     stay0 * decay^k, else moves by a step in [-step, step] (probability `local`, clamped) or jumps
-    uniformly. Draws come from `stream` (pipelines/portable_random.py) at counters that depend
-    only on (sample, frame, codebook), so sample i is the same whatever else is drawn."""
+    uniformly; every codebook on its own.
+    segments: phone-like segments whose boundaries every codebook shares (a boundary at each frame
+    with probability 1 / `segment`): at a boundary every codebook jumps uniformly; inside a
+    segment codebook k holds with probability hold0 * decay^k, else moves by a step in
+    [-step, step]. Other statistics than `persistence`: correlated across codebooks, no
+    independent jumps, longer holds.
+
+    Draws come from `stream` (pipelines/portable_random.py) at counters that depend only on
+    (sample, frame, codebook), so sample i is the same whatever else is drawn."""
     if frames >= 1 << 16:
         raise PipelineError(f"calibration {stream}: {frames} frames per sequence, at most {(1 << 16) - 1}")
     st = rnd.Stream(stream)
@@ -70,6 +79,11 @@ def code_process(stream: str, samples: range, frames: int, n_vq: int, size: int,
     t = torch.arange(frames, dtype=torch.int64)[None, :, None]
     k = torch.arange(n_vq, dtype=torch.int64)[None, None, :]
     c = (((i << 16) + t) * n_vq + k) * 4
+    kind = p.get("kind", "persistence")
+    if kind == "segments":
+        return _segments(st, c, frames, n_vq, size, p)
+    if kind != "persistence":
+        raise PipelineError(f"calibration {stream}: codes.kind {kind!r} (allowed: persistence, segments)")
     stay_u = st.uniform(c)
     local = st.uniform(c + 1) < float(p["local"])
     step = st.integers(c + 2, 2 * int(p["step"]) + 1) - int(p["step"])
@@ -82,6 +96,22 @@ def code_process(stream: str, samples: range, frames: int, n_vq: int, size: int,
         prev = codes[:, f - 1]
         moved = torch.where(local[:, f], (prev + step[:, f]).clamp(0, size - 1), jump[:, f])
         codes[:, f] = torch.where(stays[:, f], prev, moved)
+    return codes
+
+
+def _segments(st, c: torch.Tensor, frames: int, n_vq: int, size: int, p: dict) -> torch.Tensor:
+    boundary = st.uniform(c[..., :1]) < 1.0 / float(p["segment"])  # codebook 0's counter: shared by all
+    hold_u = st.uniform(c + 1)
+    step = st.integers(c + 2, 2 * int(p["step"]) + 1) - int(p["step"])
+    jump = st.integers(c + 3, size)
+    hold = torch.tensor([float(p["hold0"]) * rnd.power(float(p["decay"]), q) for q in range(n_vq)], dtype=torch.float64)
+    holds = hold_u < hold
+    codes = torch.empty(c.shape, dtype=torch.int64)
+    codes[:, 0] = jump[:, 0]
+    for f in range(1, frames):
+        prev = codes[:, f - 1]
+        inside = torch.where(holds[:, f], prev, (prev + step[:, f]).clamp(0, size - 1))
+        codes[:, f] = torch.where(boundary[:, f], jump[:, f], inside)
     return codes
 
 

@@ -135,7 +135,23 @@ def make_tensor(name: str, shape, cfg: dict, seed: int, device: str = "cpu") -> 
         elif name.endswith("down_proj.weight"):
             w = w * 0.003  # the MLP reads x20-50 outlier inputs: damp its update to the same scale
         out[r0:r1] = rnd.to_bfloat16(w).cpu()
+    if name == "lm_heads.0.weight":
+        plant_end_of_audio(out, cfg, outliers[:2])
     return out
+
+
+# How strongly the text head prefers the gen slot to the delay slot, through the two massive
+# channels (a constant in every hidden state, as massive activations are a bias in trained LLMs).
+# A random head would end every utterance at its first allowed step; with this margin, on
+# held-out prompts the BF16 tiny model ends its audio after tens to hundreds of frames when
+# sampled (a hazard that the hidden state moves), and a model whose hidden states drift ends
+# it elsewhere. A literal, chosen by hand on tiny: nothing is computed, so the bytes stay portable.
+END_OF_AUDIO_MARGIN = 144.0
+
+
+def plant_end_of_audio(head: torch.Tensor, cfg: dict, massive: torch.Tensor) -> None:
+    gen, delay = cfg["audio_assistant_gen_slot_token_id"], cfg["audio_assistant_delay_slot_token_id"]
+    head[delay, massive] = rnd.to_bfloat16(head[gen, massive].double() - END_OF_AUDIO_MARGIN)
 
 
 ROW_BLOCK_ELEMENTS = 1 << 24

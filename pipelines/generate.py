@@ -29,6 +29,7 @@ class DelayState:
     is_audio: bool = False
     is_stopping: bool = False
     time_step: int = 0
+    overrides: int = 0
     text: list = field(default_factory=list)
 
     @classmethod
@@ -42,7 +43,10 @@ class DelayState:
         return s
 
     def step(self, text_logits: torch.Tensor, audio_logits: torch.Tensor) -> list[int]:
-        """One greedy row from the last position's logits: text (V,), audio (n_vq, A)."""
+        """One row from the last position's scores: text (V,), audio (n_vq, A). Greedy on logits;
+        sampling hands in logits / temperature + Gumbel noise (argmax of that is a sample).
+        `overrides` counts the choices the pattern's rules had to overrule: the free argmax was
+        a token or code that the delay pattern does not allow there."""
         ids, n_vq = self.ids, self.n_vq
         vocab = text_logits.shape[0]
         if self.delayed_length is not None and self.delayed_length < n_vq:
@@ -68,6 +72,7 @@ class DelayState:
             if self.time_step <= n_vq and ids["im_end_token_id"] < vocab:
                 scaled[ids["im_end_token_id"]] = NEG_INF
             nxt = int(scaled.argmax())
+            self.overrides += int(text_logits.argmax()) != nxt
         if nxt == ids["audio_start_token_id"]:
             self.is_audio = True
         if nxt == ids["im_end_token_id"]:
@@ -80,6 +85,7 @@ class DelayState:
             scaled[:, self.pad_code] = NEG_INF
             for c in lagged:
                 audio[c] = int(scaled[c].argmax())
+            self.overrides += int((audio_logits[lagged].argmax(-1) == self.pad_code).sum())
         if nxt in (ids["audio_start_token_id"], ids["audio_assistant_gen_slot_token_id"],
                    ids["audio_assistant_delay_slot_token_id"]):
             self.audio_length += 1
@@ -103,20 +109,61 @@ def special_ids(config: dict) -> dict:
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, steps: int, ids: dict) -> torch.Tensor:
     """Greedy rows after `prompt` (S, 1 + n_vq), with the KV cache; stops at im_end."""
+    return generate_batch(model, [prompt], steps, ids, stop="im_end")[0].rows
+
+
+@dataclass
+class Run:
+    rows: torch.Tensor  # (T, 1 + n_vq) generated rows, the stop token's row included
+    ended: bool  # the stop token came within the step budget
+    overrides: int  # DelayState.overrides: choices the pattern's rules overruled
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[torch.Tensor], steps: int, ids: dict, noise=None, temperature: float = 1.0,
+                   stop: str = "audio_end", device="cpu") -> list[Run]:
+    """Every prompt (S_b, 1 + n_vq) continued for up to `steps` rows, batched with the KV cache
+    (prompts left-padded and masked). Greedy unless `noise(step) -> (text (B, V), audio (B, n_vq, A))`
+    gives Gumbel noise: then each row is a sample at `temperature`, and two models handed the same
+    noise draw coupled samples (equal whenever their distributions are close). A sequence stops at
+    `stop` ("audio_end" or "im_end")."""
     from transformers import DynamicCache
 
-    state = DelayState.from_prompt(prompt, ids, model.config.audio_pad_code)
-    cache = DynamicCache()
-    x, rows = prompt[None], []
-    for _ in range(steps):
-        h = model.language_model(inputs_embeds=model.embed(x), past_key_values=cache, use_cache=True).last_hidden_state
-        logits = model.heads(h[:, -1:])
-        row = state.step(logits[0][0, 0], torch.stack([lg[0, 0] for lg in logits[1:]]))
-        rows.append(row)
-        if state.is_stopping:
+    stop_id = ids[f"{stop}_token_id"]
+    pad_code = model.config.audio_pad_code
+    states = [DelayState.from_prompt(p, ids, pad_code) for p in prompts]
+    width, longest = prompts[0].shape[1], max(p.shape[0] for p in prompts)
+    x = torch.full((len(prompts), longest, width), pad_code, dtype=torch.long)
+    x[:, :, 0] = ids["pad_token_id"]
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        x[b, longest - p.shape[0]:], mask[b, longest - p.shape[0]:] = p, 1
+    x, mask = x.to(device), mask.to(device)
+    cache, rows, done = DynamicCache(), [[] for _ in prompts], [False] * len(prompts)
+    for t in range(steps):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1]:]
+        h = model.language_model(inputs_embeds=model.embed(x), attention_mask=mask, position_ids=pos,
+                                 past_key_values=cache, use_cache=True).last_hidden_state
+        logits = model.heads(h[:, -1])
+        text, audio = logits[0].float(), torch.stack(logits[1:], dim=1).float()
+        if noise is not None:
+            g_text, g_audio = noise(t)
+            text, audio = text / temperature + g_text.to(text), audio / temperature + g_audio.to(audio)
+        nxt = []
+        for b, state in enumerate(states):
+            if done[b]:  # finished sequences ride along; their rows are not kept
+                nxt.append(rows[b][-1])
+                continue
+            row = state.step(text[b], audio[b])
+            rows[b].append(row)
+            done[b] = row[0] == stop_id
+            nxt.append(row)
+        if all(done):
             break
-        x = torch.tensor([[row]], dtype=torch.long)
-    return torch.tensor(rows, dtype=torch.long).reshape(-1, prompt.shape[1])
+        x = torch.tensor(nxt, dtype=torch.long, device=device)[:, None]
+        mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
+    return [Run(torch.tensor(r, dtype=torch.long).reshape(-1, width), d, s.overrides)
+            for r, d, s in zip(rows, done, states)]
 
 
 def de_delay(rows: torch.Tensor, n_vq: int) -> torch.Tensor:
