@@ -261,5 +261,5 @@ def main(argv=None):
         _err(f"error: {e}")
         raise SystemExit(e.exit_code)
     except KeyboardInterrupt:
-        _err("error: interrupted; nothing partial was kept (re-run to resume from the stage cache)")
+        _err("error: interrupted; re-run to resume (finished stages are cached, the quantize stage's finished blocks kept)")
         raise SystemExit(130)

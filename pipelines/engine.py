@@ -14,10 +14,16 @@ A method hooks into the loop (llm-compressor's layer_sequential pattern): the en
 on the fp stream, capturing the inputs of the Linears the hook asks for (statistics in that one
 pass), then calls `hook.on_block(step)`. The hook searches, tunes or measures the block, may
 change it in place, and returns the block's output on the quant stream when it has one.
+
+Given a `resume` folder (the quantize stage's), the engine checkpoints each finished block there
+and a re-run continues at the first unfinished one (pipelines/resume.py); the hook then also
+implements `block_state(i)` and `restore_block(i, tensors, meta)`.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -26,6 +32,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 
 from .models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig
 from .progress import progress
+from .resume import BlockCheckpoint
 
 Getter = Callable[[str], torch.Tensor]
 FP, QUANT = "fp", "quant"
@@ -84,6 +91,15 @@ class BlockHook(Protocol):
     def on_block(self, step: Step) -> torch.Tensor | None: ...
 
 
+class ResumableHook(BlockHook, Protocol):
+    """A hook whose results can be checkpointed per block: what `on_block(i)` accumulated, as
+    tensors and a JSON-able record, and how to take them back in a later process (blocks in order)."""
+
+    def block_state(self, index: int) -> tuple[dict[str, torch.Tensor], dict]: ...
+
+    def restore_block(self, index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None: ...
+
+
 @dataclass
 class Engine:
     cfg: MossTTSDelayConfig
@@ -93,6 +109,7 @@ class Engine:
     batch_size: int = 8
     desc: str = "blocks"
     last: dict = field(default_factory=dict)  # the final hidden states of each stream after run()
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
     @torch.no_grad()
     def forward(self, layer: nn.Module, hidden: torch.Tensor, pos, observe: dict | None = None) -> torch.Tensor:
@@ -112,17 +129,26 @@ class Engine:
                 h.remove()
         return torch.cat(outs)
 
-    def run(self, hook: BlockHook, ids: torch.Tensor, quant_get: Getter | None = None) -> None:
+    def run(self, hook: BlockHook, ids: torch.Tensor, quant_get: Getter | None = None,
+            resume: Path | None = None) -> None:
         """Every block once, in order, through `hook`. The quant stream starts from the same
-        embeddings, or from `quant_get`'s when the candidate model has its own."""
-        host = "cpu"
+        embeddings, or from `quant_get`'s when the candidate model has its own. With `resume`,
+        each finished block is checkpointed there and the blocks a previous run finished are
+        restored instead of run (`hook` is then a ResumableHook)."""
+        host, n = "cpu", self.cfg.num_layers
         fp = embed(self.cfg, self.get, ids, self.dtype, self.device).to(host)
         quant = None
         if QUANT in hook.streams:
             quant = embed(self.cfg, quant_get, ids, self.dtype, self.device).to(host) if quant_get else fp
+        start, ckpt = 0, None
+        if resume is not None:
+            if not (hasattr(hook, "block_state") and hasattr(hook, "restore_block")):
+                raise TypeError(f"{type(hook).__name__} cannot be resumed: it lacks block_state/restore_block")
+            ckpt = BlockCheckpoint(resume, self.log)
+            start, fp, quant = ckpt.restore(hook, n, fp, quant)
         pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
         run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
-        for i in progress(range(self.cfg.num_layers), desc=self.desc, unit="block"):
+        for i in progress(range(start, n), desc=self.desc, unit="block", total=n, initial=start):
             layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
             stores = {name: [] for name in hook.capture}
             observe = {name: store.append for name, store in stores.items()}
@@ -138,4 +164,6 @@ class Engine:
                 quant = out
             fp = fp_out
             del layer
+            if ckpt is not None:
+                ckpt.save(i, hook, fp, quant)
         self.last = {FP: fp, QUANT: quant}

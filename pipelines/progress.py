@@ -4,5 +4,6 @@ import sys
 from tqdm.auto import tqdm
 
 
-def progress(iterable, desc: str, unit: str = "it", total=None):
-    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=not sys.stderr.isatty(), leave=False)
+def progress(iterable, desc: str, unit: str = "it", total=None, initial: int = 0):
+    return tqdm(iterable, desc=desc, unit=unit, total=total, initial=initial, disable=not sys.stderr.isatty(),
+                leave=False)

@@ -8,13 +8,16 @@ seed, the device kind, and the code it runs (its module's import closure in pipe
 quantizers/, with the numeric libraries' versions). Editing the report does not invalidate a
 cached 36-block quantize stage. A finished stage lives in `artifacts/.cache/<stage>/<key>/`,
 written to a temporary folder and renamed, so a re-run skips it and an interrupted run resumes at
-the first unfinished stage.
+the first unfinished stage. Within a stage, the engine may keep per-block progress in
+`<stage>/<key>.partial/` (`ctx.partial`, pipelines/resume.py): a re-run resumes at the first
+unfinished block, and the folder is removed once the stage is published.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -62,6 +65,7 @@ class RunContext:
     environments: dict[str, dict] = field(default_factory=dict)  # stage -> the fingerprint it ran under
     bundle_root: Path | None = None
     bundle: Path | None = None
+    partial: Path | None = None  # the running stage's block checkpoints (None: the run keeps none)
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
     @property
@@ -133,16 +137,22 @@ def run_stages(ctx: RunContext, stages: dict[str, StageSpec], use_cache: bool = 
         started = _stats_start()
         ctx.keys[name] = key
         final = ctx.cache_root / name / key
+        partial = final.with_name(f"{key}.partial")
         cached = use_cache and spec.cached and (final / "result.json").exists()
         if cached:
             ctx.log(f"stage {name}: cached ({key[:12]})")
         else:
             ctx.log(f"stage {name}: running ({key[:12]})")
-            with atomic_folder(final) as tmp:
-                result = spec.run_for(ctx.spec.kind)(ctx, params, tmp)
-                (tmp / "result.json").write_text(canonical_json(result, indent=2))
-                env = fingerprint(result.get("device", ctx.device) if isinstance(result, dict) else ctx.device)
-                (tmp / ENVIRONMENT).write_text(canonical_json(env, indent=2))
+            ctx.partial = partial if use_cache and spec.cached else None
+            try:
+                with atomic_folder(final) as tmp:
+                    result = spec.run_for(ctx.spec.kind)(ctx, params, tmp)
+                    (tmp / "result.json").write_text(canonical_json(result, indent=2))
+                    env = fingerprint(result.get("device", ctx.device) if isinstance(result, dict) else ctx.device)
+                    (tmp / ENVIRONMENT).write_text(canonical_json(env, indent=2))
+            finally:
+                ctx.partial = None
+        shutil.rmtree(partial, ignore_errors=True)  # the stage is published: its block checkpoints are spent
         ctx.dirs[name] = final
         ctx.results[name] = json.loads((final / "result.json").read_text())
         env_file = final / ENVIRONMENT

@@ -17,7 +17,7 @@ from ..calibration import CALIB_FILE, load_ids
 from ..engine import FP, QUANT, Engine
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig, block_linear_names
-from .weights import Weights
+from .weights import Weights, packed_from_state, packed_state
 
 
 def calibration_ids(ctx, cfg: AutoRoundConfig):
@@ -49,6 +49,14 @@ class AutoRoundHook:
             raise PipelineError(str(e)) from None
         return q_out
 
+    def block_state(self, i: int):
+        pre = f"{BLOCK_PREFIX}.{i}."
+        tensors, records = packed_state(self.packed, [name for name in self.packed if name.startswith(pre)])
+        return tensors, {"packed": records}
+
+    def restore_block(self, i: int, tensors, meta) -> None:
+        self.packed.update(packed_from_state(tensors, meta["packed"]))
+
 
 def quantize(ctx, cfg: AutoRoundConfig, device: str) -> Weights:
     ckpt = ctx.checkpoint()
@@ -57,7 +65,8 @@ def quantize(ctx, cfg: AutoRoundConfig, device: str) -> Weights:
     ctx.log(f"auto-round: {cfg.bits}-bit sym={cfg.sym} g{cfg.group_size}, {cfg.iters} iters on "
             f"{ids.shape[0]} x {ids.shape[1]} MOSS block inputs, device {device}")
     hook = AutoRoundHook(cfg, ctx.seed, device)
-    Engine(mcfg, ckpt.get, device, desc="auto-round", batch_size=cfg.batch_size).run(hook, ids)
+    Engine(mcfg, ckpt.get, device, desc="auto-round", batch_size=cfg.batch_size, log=ctx.log).run(
+        hook, ids, resume=ctx.partial)
     missing = sorted(set(block_linear_names(mcfg)) - set(hook.packed))
     if missing:
         raise PipelineError(f"auto-round left {len(missing)} decoder Linears unquantized, e.g. {missing[0]}")

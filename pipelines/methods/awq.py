@@ -18,7 +18,7 @@ from ..checkpoint import Checkpoint
 from ..engine import FP, Engine, Step
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, INPUT_GROUPS, MossTTSDelayConfig
-from .weights import Weights
+from .weights import Weights, packed_from_state, packed_state
 
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
@@ -126,6 +126,19 @@ class AWQHook:
         })
         self.log(f"awq block {i}: scaled {len(scales)} groups, clipped {len(clips)} Linears")
 
+    def block_state(self, i: int):
+        pre = f"{BLOCK_PREFIX}.{i}."
+        tensors, records = packed_state(self.packed, [pre + rel for rel in BLOCK_LINEARS])
+        folded = {name: t for name, t in self.folded.items() if name.startswith(pre)}
+        return {**tensors, **folded}, {"packed": records, "folded": list(folded), "record": self.blocks[i]}
+
+    def restore_block(self, i: int, tensors, meta) -> None:
+        if len(self.blocks) != i:
+            raise ValueError(f"awq: block {i} restored after {len(self.blocks)} blocks")
+        self.packed.update(packed_from_state(tensors, meta["packed"]))
+        self.folded.update({name: tensors[name] for name in meta["folded"]})
+        self.blocks.append(meta["record"])
+
 
 def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     ckpt = ctx.checkpoint()
@@ -133,7 +146,8 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     plan, skipped = plan_groups(ckpt, mcfg, cfg)  # everything refusable is refused before any compute
     ids = calibration_batch(ctx, cfg)
     hook = AWQHook(autoawq_quantizer(cfg), cfg, plan, ctx.log)
-    Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq").run(hook, ids)
+    Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq", log=ctx.log).run(
+        hook, ids, resume=ctx.partial)
     details = {
         "search": (SEARCH_OURS if cfg.search == "ours" else
                    "autoawq AwqQuantizer: _search_best_scale, apply_scale, _search_best_clip, apply_clip"),

@@ -21,3 +21,20 @@ class Weights:
     # decode-only codec keeps the decode path), and the whole source's parameter count then.
     kept: dict[str, list[int]] | None = None
     source_params: int | None = None
+
+
+def packed_state(packed: dict[str, PackedWeight], modules) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """`modules`' packed Linears as a block checkpoint holds them: their parts by stored name, and
+    one JSON record each (in order), which `packed_from_state` turns back into the same PackedWeights."""
+    tensors, records = {}, []
+    for m in modules:
+        pw = packed[m]
+        tensors.update({f"{m}.{part}": t for part, t in pw.parts.items()})
+        records.append({"module": m, "format": pw.format, "parts": list(pw.parts), "bits": pw.bits,
+                        "group_size": pw.group_size, "sym": pw.sym})
+    return tensors, records
+
+
+def packed_from_state(tensors: dict[str, torch.Tensor], records: list[dict]) -> dict[str, PackedWeight]:
+    return {r["module"]: PackedWeight(r["format"], {p: tensors[f"{r['module']}.{p}"] for p in r["parts"]},
+                                      r["bits"], r["group_size"], r["sym"]) for r in records}

@@ -1,0 +1,121 @@
+"""Block checkpoints: an engine run survives an interruption between blocks (the quantize stage's
+36 blocks of auto-round outlast one 10-minute command).
+
+After block i's hook returns, the engine writes into the stage's partial folder
+`block-<i>.safetensors` (the hook's results for that block: its tensors, its JSON record in the
+header), then `streams.safetensors` (the fp and quant activations leaving block i: only the
+latest is kept, replaced in one rename). Every file is written to a temporary name, synced and
+renamed (pipelines/atomic.py), so a kill leaves whole files only. A re-run finds them, hands
+blocks 0..i back to the hook (`restore_block`) and continues at block i+1.
+
+The folder is `<cache>/<stage>/<key>.partial/`, next to where the finished stage will be
+published: the key covers everything that can change the stage's output (params, upstream keys,
+pins, seed, device kind, code), so a partial is only ever read by a run that would have written
+the same bytes. The stage runner removes it once the stage is published.
+
+A partial that cannot be used (a file truncated or unreadable, a block missing, streams that do
+not fit this run) is discarded with one log line naming the file and what was expected, and the
+stage starts again at block 0: a re-run always finishes, and never on state it cannot trust.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .atomic import atomic_file
+from .checkpoint import canonical_json
+
+STREAMS = "streams.safetensors"
+
+
+def block_file(i: int) -> str:
+    return f"block-{i:03d}.safetensors"
+
+
+class Unusable(Exception):
+    """A partial that cannot be resumed from (the message names the file and what was expected)."""
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise Unusable(f"{path.name}: missing")
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except (OSError, SafetensorError) as e:
+        raise Unusable(f"{path.name}: unreadable safetensors ({e})") from None
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    with atomic_file(path, replace=True) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata)
+
+
+class BlockCheckpoint:
+    """One engine run's block checkpoints in `folder` (named in log lines by its stage: the parent folder)."""
+
+    def __init__(self, folder: Path, log: Callable[[str], None]):
+        self.folder, self.log = Path(folder), log
+        self.stage = self.folder.parent.name
+
+    def save(self, i: int, hook, fp: torch.Tensor, quant: torch.Tensor | None) -> None:
+        """Block i is finished: its hook state, then the streams leaving it (the order a resume relies on)."""
+        tensors, meta = hook.block_state(i)
+        _write(self.folder / block_file(i), tensors, {"block": str(i), "state": canonical_json(meta)})
+        streams, kind = {"fp": fp}, "none" if quant is None else "fp" if quant is fp else "own"
+        if kind == "own":
+            streams["quant"] = quant
+        _write(self.folder / STREAMS, streams, {"block": str(i), "quant": kind})
+
+    def restore(self, hook, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
+        """-> (first block to run, fp stream, quant stream): (0, fp, quant) when there is nothing
+        usable to resume from; otherwise the hook holds blocks 0..i again and the streams leave block i."""
+        if not (self.folder / STREAMS).is_file():
+            return 0, fp, quant  # no block finished (or none since its streams were written): start over
+        try:
+            last, fp, quant, records = self._load(n_blocks, fp, quant)
+        except Unusable as e:
+            self.log(f"{self.folder}/{e}; partial discarded, {self.stage} restarts at block 0")
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return 0, fp, quant
+        for i, (tensors, meta) in enumerate(records):
+            hook.restore_block(i, tensors, meta)
+        done = f"blocks 0..{last}" if last else "block 0"
+        self.log(f"resuming {self.stage} at block {last + 1}/{n_blocks} ({done} from {self.folder})")
+        return last + 1, fp, quant
+
+    def _load(self, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
+        streams, meta = _read(self.folder / STREAMS)
+        try:
+            last, kind = int(meta["block"]), meta["quant"]
+        except (KeyError, ValueError):
+            raise Unusable(f"{STREAMS}: header lacks the block index and quant-stream kind") from None
+        if not 0 <= last < n_blocks:
+            raise Unusable(f"{STREAMS}: block {last}, expected one of 0..{n_blocks - 1}")
+        expected = ("none",) if quant is None else ("fp", "own")  # "fp": the quant stream is the fp stream
+        if kind not in expected or (kind == "own") != ("quant" in streams):
+            raise Unusable(f"{STREAMS}: quant stream {kind!r} with tensors {sorted(streams)}, expected "
+                           f"{' or '.join(map(repr, expected))} (a 'quant' tensor exactly when 'own')")
+        got = streams.get("fp")
+        if got is None or got.shape != fp.shape or got.dtype != fp.dtype:
+            raise Unusable(f"{STREAMS}: fp stream {None if got is None else (list(got.shape), got.dtype)}, "
+                           f"expected {list(fp.shape)} {fp.dtype}")
+        restored_quant = None if kind == "none" else got if kind == "fp" else streams["quant"]
+        if restored_quant is not None and restored_quant.shape != fp.shape:  # its dtype is the hook's output's
+            raise Unusable(f"{STREAMS}: quant stream {list(restored_quant.shape)}, expected {list(fp.shape)}")
+        records = []
+        for i in range(last + 1):
+            tensors, header = _read(self.folder / block_file(i))
+            try:
+                if int(header["block"]) != i:
+                    raise ValueError
+                records.append((tensors, json.loads(header["state"])))
+            except (KeyError, ValueError):
+                raise Unusable(f"{block_file(i)}: header lacks block {i}'s index and JSON state") from None
+        return last, got, restored_quant, records

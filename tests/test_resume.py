@@ -1,0 +1,105 @@
+"""The quantize stage resumes within itself, block by block: a build SIGKILLed between blocks and run
+again continues at the first unfinished block, and its bundle has the bytes of an uninterrupted build."""
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from pipelines.resume import STREAMS, block_file
+from pipelines.source import ROOT
+
+# Shrunk for 2 CPU cores: auto-round at 4 iterations (the profile's tiny setting is 20).
+PROFILES = {"awq4": [], "autoround-q3": ["--set", "quantize.iters=4"]}
+N_BLOCKS = 4  # the tiny fixture's decoder blocks
+
+
+def _cmd(profile):
+    return [sys.executable, "-m", "pipelines", "quantize", profile, "--model", "tiny", *PROFILES[profile]]
+
+
+def _env(root: Path, tiny_path: Path) -> dict:
+    return dict(os.environ, MOSSQUANT_ARTIFACTS=str(root), MOSSQUANT_MODEL_PATH_TINY=str(tiny_path),
+                PYTHONPATH=str(ROOT))
+
+
+def _build(profile, root: Path, tiny_path: Path) -> tuple[dict, str]:
+    """Build to the end: (sha256 of every bundle file and of the quantize stage's output, stderr)."""
+    r = subprocess.run(_cmd(profile), env=_env(root, tiny_path), capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    bundle = Path(r.stdout.strip().splitlines()[-1].removeprefix("bundle: "))
+    (stage,) = [p for p in (root / ".cache" / "quantize").iterdir() if (p / "result.json").exists()]
+    files = {f"bundle/{p.relative_to(bundle)}": p for p in bundle.rglob("*") if p.is_file()}
+    files.update({f"quantize/{name}": stage / name for name in ("tensors.safetensors", "quant.json")})
+    return {name: hashlib.sha256(p.read_bytes()).hexdigest() for name, p in sorted(files.items())}, r.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_path):
+    """reference(profile): the digests of an uninterrupted build (once per profile)."""
+    built = {}
+
+    def get(profile):
+        if profile not in built:
+            built[profile] = _build(profile, tmp_path_factory.mktemp(f"ref-{profile}") / "artifacts", tiny_path)[0]
+        return built[profile]
+
+    return get
+
+
+def _kill_between_blocks(profile, root: Path, tiny_path: Path) -> tuple[Path, int]:
+    """Start a build and SIGKILL it as soon as a block is checkpointed: (the partial folder, the
+    last block it holds)."""
+    cache = root / ".cache" / "quantize"
+    p = subprocess.Popen(_cmd(profile), env=_env(root, tiny_path), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and p.poll() is None and not list(cache.glob(f"*.partial/{STREAMS}")):
+            time.sleep(0.02)
+        assert p.poll() is None, "the build ended before a block was checkpointed"
+        p.send_signal(signal.SIGKILL)  # nothing in the process runs: no cleanup, no flush
+    finally:
+        p.kill()
+        p.wait()
+    (partial,) = cache.glob("*.partial")
+    assert not (cache / partial.name.removesuffix(".partial") / "result.json").exists()  # killed inside the stage
+    with safe_open(str(partial / STREAMS), "pt") as f:
+        last = int(f.metadata()["block"])
+    assert last < N_BLOCKS - 1, f"killed after the last block ({last}): nothing left to resume"
+    return partial, last
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith(".partial") or ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_build_killed_between_blocks_resumes_there_with_identical_bytes(profile, tmp_path, tiny_path, reference):
+    root = tmp_path / "artifacts"
+    partial, last = _kill_between_blocks(profile, root, tiny_path)
+    digests, err = _build(profile, root, tiny_path)
+    assert f"resuming quantize at block {last + 1}/{N_BLOCKS} (" in err and str(partial) in err, err[-2000:]
+    if profile == "awq4":  # awq logs every block it runs: the restored ones were not run again
+        ran = [i for i in range(N_BLOCKS) if f"awq block {i}:" in err]
+        assert ran == list(range(last + 1, N_BLOCKS)), err[-2000:]
+    assert digests == reference(profile)
+    assert _leftovers(root) == []
+
+
+def test_an_unreadable_partial_is_discarded_with_one_line_and_the_stage_restarts(tmp_path, tiny_path, reference):
+    root = tmp_path / "artifacts"
+    partial, _ = _kill_between_blocks("awq4", root, tiny_path)
+    block0 = partial / block_file(0)
+    block0.write_bytes(block0.read_bytes()[: block0.stat().st_size // 2])  # a truncated checkpoint
+    digests, err = _build("awq4", root, tiny_path)
+    line = f"{block0}: unreadable safetensors ("
+    assert line in err and "partial discarded, quantize restarts at block 0" in err, err[-2000:]
+    assert "resuming quantize" not in err and "awq block 0:" in err
+    assert digests == reference("awq4")
+    assert _leftovers(root) == []
