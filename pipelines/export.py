@@ -163,6 +163,7 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
             "source": ctx.spec.pins(),
             "calibration": ctx.results.get("calibrate"),
             "evaluation": ctx.results.get("evaluate"),
+            "free_running": ctx.results.get("freerun"),
             "stages": ctx.profile.resolved()["stages"],
             "stage_keys": stage_keys,
             "seed": ctx.seed,

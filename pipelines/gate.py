@@ -1,5 +1,6 @@
-"""The quality gate: thresholds on an earlier stage's metrics. A failing bundle is still
-built, with `status: rejected` and the failed checks in its manifest."""
+"""The quality gate: thresholds on earlier stages' metrics (teacher-forced from `evaluate`,
+free-running `free.*` from `freerun`). A failing bundle is still built, with `status: rejected`
+and the failed checks in its manifest."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from .errors import PipelineError
 
 @dataclass
 class GateParams:
-    source: str = "evaluate"  # the stage whose `metrics` are checked
+    sources: list[str] = field(default_factory=lambda: ["evaluate", "freerun"])  # stages whose `metrics` are checked
     max: dict = field(default_factory=dict)  # metric -> largest allowed value
     min: dict = field(default_factory=dict)  # metric -> smallest allowed value
 
@@ -22,15 +23,20 @@ class GateParams:
 
 
 def run_gate(ctx, params: GateParams, out: Path) -> dict:
-    if params.source not in ctx.results:
-        raise PipelineError(f"{ctx.profile.path}: gate.source {params.source!r} is not an earlier stage")
-    metrics = ctx.results[params.source].get("metrics", {})
+    metrics = {}
+    for source in params.sources:
+        if source not in ctx.results:
+            if source == "freerun":  # optional: a profile without free-running has no free.* to check
+                continue
+            raise PipelineError(f"{ctx.profile.path}: gate.sources: {source!r} is not an earlier stage")
+        metrics.update(ctx.results[source].get("metrics", {}))
     checks = []
     for op, bound in (("<=", params.max), (">=", params.min)):
         for name, limit in sorted(bound.items()):
             if name not in metrics or not isinstance(metrics[name], (int, float)):
                 known = ", ".join(k for k, v in sorted(metrics.items()) if isinstance(v, (int, float)))
-                raise PipelineError(f"{ctx.profile.path}: gate metric {name!r} not produced by {params.source} (known: {known})")
+                raise PipelineError(f"{ctx.profile.path}: gate metric {name!r} not produced by "
+                                    f"{' or '.join(params.sources)} (known: {known})")
             value = metrics[name]
             ok = value <= limit if op == "<=" else value >= limit
             checks.append({"metric": name, "op": op, "threshold": limit, "value": value, "passed": ok})

@@ -55,6 +55,11 @@ class Entry:
         return (self.manifest.get("evaluation") or {}).get("metrics") or {} if self.manifest.get("kind") == "codec" else {}
 
     @property
+    def free(self) -> dict:
+        """The free-running evaluation (stage freerun), when the profile ran one."""
+        return self.manifest.get("free_running") or {}
+
+    @property
     def failed(self) -> list[dict]:
         return [c for c in self.manifest["gate"].get("checks", []) if not c.get("passed")]
 
@@ -183,6 +188,31 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
             rows = [[e.profile, held_out(e)] + [x for k in keys for x in (e.metrics.get(k), rtn_baseline(e).get(k))]
                     for e in base]
             lines += table(["profile", "RTN scored on", *(f"{k} ({w})" for k in keys for w in ("bundle", "rtn"))], rows)
+    free = [e for e in entries if e.free]
+    if free:
+        lines += ["## Free-running against BF16", "",
+                  "Each model generates on its own from held-out prompts (text plus a voice prompt of reference audio), "
+                  "greedy and sampled; sampling is coupled (both models get the same noise). Ratios are to BF16 against "
+                  "itself under other noise (1 = as far from BF16 as a reroll of the dice); the pooled figures are what "
+                  "the gate reads. Per set, sampled: code agreement with BF16 (the reroll's in brackets), geometric-mean "
+                  "length ratio, the decoded log-mel distance after the voice prompt (dB), runaways; greedy: rows before "
+                  "the first divergence (median).", ""]
+        keys = ("free.code_disagreement_ratio", "free.length_ratio", "free.runaway_excess", "free.log_mel_ratio")
+        lines += table(["profile", *keys], [[e.profile] + [e.free["metrics"].get(k) for k in keys] for e in free])
+        rows = []
+        for e in free:
+            for name, st in e.free["sets"].items():
+                sm, rs, gr = st["sampled"], st["resample"], st["greedy"]
+                rows.append([e.profile, name, f"{sm['code_agreement']:.3f} ({rs['code_agreement']:.3f})",
+                             round(sm["length_ratio_gmean"], 3), None if sm["log_mel_db"] is None else round(sm["log_mel_db"], 3),
+                             sm["runaways"], sorted(gr["first_divergence"])[len(gr["first_divergence"]) // 2]])
+        lines += table(["profile", "set", "code agreement (reroll)", "length ratio", "log-mel dB", "runaways",
+                        "greedy first divergence"], rows)
+        lines += _images(plots, ["divergence", "decoded_distance"])
+        listen = [(e, w) for e in free for w in e.free.get("wav", [])]
+        if listen:
+            lines += ["Listen (BF16 and quantized, same prompt and noise): "
+                      + ", ".join(f"[{e.profile} {Path(w).stem}](wavs/{e.profile}/{Path(w).name})" for e, w in listen), ""]
     cod = [e for e in entries if e.codec]
     if cod:
         lines += ["## Codec fidelity against the FP32 decode", "",
@@ -339,6 +369,39 @@ def plot_sequence_snr(fig, entries, colors):
     ax.legend(fontsize=8)
 
 
+def plot_divergence(fig, entries, colors):
+    """Row agreement with BF16 over the run (coupled sampling, mean over sets), per profile."""
+    ax = fig.subplots()
+    for e in entries:
+        curves = [st["sampled"]["agreement_curve"] for st in e.free["sets"].values()]
+        width = e.free["params"]["max_frames"] / len(curves[0])
+        mean = [None if all(c[i] is None for c in curves) else
+                sum(c[i] for c in curves if c[i] is not None) / sum(c[i] is not None for c in curves)
+                for i in range(len(curves[0]))]
+        xs = [(i + 0.5) * width for i, v in enumerate(mean) if v is not None]
+        ax.plot(xs, [v for v in mean if v is not None], marker="o", ms=3, color=colors[e.profile], label=e.profile)
+    ax.set_xlabel("generated row")
+    ax.set_ylabel("rows equal to BF16's (coupled sampling)")
+    ax.set_title("Free-running divergence from BF16")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_decoded_distance(fig, entries, colors):
+    ax = fig.subplots()
+    for e in entries:
+        names = list(e.free["sets"])
+        ax.plot(names, [e.free["sets"][n]["sampled"]["log_mel_db"] for n in names], marker="o", color=colors[e.profile],
+                label=e.profile)
+    ref = next(iter(entries)).free["sets"]
+    ax.plot(list(ref), [ref[n]["resample"]["log_mel_db"] for n in ref], ls="--", color="grey", label="BF16 reroll")
+    ax.set_xlabel("held-out set")
+    ax.set_ylabel("decoded log-mel distance to BF16 (dB)")
+    ax.set_title("Free-running: decoded audio against BF16's")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot_bpw_components(fig, entries, colors):
     ax = fig.subplots()
     names = components_of(entries) + ["headers"]
@@ -369,6 +432,10 @@ def plot_specs(entries: list[Entry]) -> list[tuple[str, str, object, list[Entry]
                   ("block_error", "per-block relative error", plot_block_error,
                    [e for e in gen if e.metrics.get("block_rel_error")]),
                   ("per_codebook", "per-codebook KL and top-1", plot_per_codebook, gen)]
+    free = [e for e in entries if e.free]
+    if free:
+        specs += [("divergence", "free-running agreement with BF16 over the generated rows", plot_divergence, free),
+                  ("decoded_distance", "free-running decoded log-mel distance per set", plot_decoded_distance, free)]
     if cod:
         specs += [("codec_bpw_vs_fidelity", "codec: bits per weight against SNR and log-mel distance",
                    plot_codec_bpw_vs_fidelity, cod),
@@ -401,10 +468,17 @@ def write_report(model: str, root: Path | None = None) -> Path:
             finally:
                 plt.close(fig)
             plots[stem] = alt
+        for e in entries:  # the free-running WAVs beside the report, so a person can listen
+            for w in e.free.get("wav", []):
+                (tmp / "wavs" / e.profile).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(e.folder / w, tmp / "wavs" / e.profile / Path(w).name)
         (tmp / REPORT).write_text(render(model, entries, plots, root))
         fsync_tree(tmp)
         for stem in sorted(plots):
             os.replace(tmp / f"{stem}.png", folder / f"{stem}.png")
+        if (tmp / "wavs").is_dir():
+            shutil.rmtree(folder / "wavs", ignore_errors=True)
+            os.replace(tmp / "wavs", folder / "wavs")
         os.replace(tmp / REPORT, folder / REPORT)  # last: the plots it names are already in place
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
