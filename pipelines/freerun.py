@@ -16,6 +16,7 @@ figures the gate reads, pooled over the sets.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,6 +200,40 @@ def gated(sets: dict) -> dict:
     return {k: round(v, 6) for k, v in figures.items()}
 
 
+def reference_cache(ctx, params: FreeRunParams, device: str):
+    """BF16's runs depend on the source, the set, these params, the seed, the device kind and this
+    code, never on the profile: made once, kept content-addressed beside the stage cache (the same
+    rule as the stage cache, written atomically), read by every profile after."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from .atomic import atomic_folder
+    from .checkpoint import canonical_json
+    from .source import pins_digest
+    from .stages import stage_code
+
+    def get(name: str, sha: str, make):
+        payload = {"set": name, "sha256": sha, "source": pins_digest(ctx.spec), "seed": ctx.seed, "device": device,
+                   "params": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("sets", "wavs")},
+                   "code": stage_code(__name__)}
+        folder = ctx.cache_root / "freerun-bf16" / hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+        if not (folder / "runs.json").exists():
+            runs = make()
+            with atomic_folder(folder) as tmp:
+                save_file({f"{mode}.{i}": r.rows.contiguous() for mode, rs in runs.items() for i, r in enumerate(rs)},
+                          str(tmp / "runs.safetensors"))
+                (tmp / "runs.json").write_text(canonical_json(
+                    {mode: [[r.ended, r.overrides] for r in rs] for mode, rs in runs.items()}))
+            return runs
+        rows, meta = load_file(str(folder / "runs.safetensors")), json.loads((folder / "runs.json").read_text())
+        return {mode: [Run(rows[f"{mode}.{i}"], ended, overrides) for i, (ended, overrides) in enumerate(rs)]
+                for mode, rs in meta.items()}
+
+    return get
+
+
 def run(ctx, params: FreeRunParams, out: Path) -> dict:
     from .checkpoint import Checkpoint
     from .loader import stage_view
@@ -219,15 +254,17 @@ def run(ctx, params: FreeRunParams, out: Path) -> dict:
     codec_path = resolve_path(codec_spec)
     verify(codec_spec, codec_path)
     codec = source_decoder(Checkpoint(codec_path))
-    sets, wavs = free_run(models, codec, config, params, ctx.seed, ctx.snapshot, out, device)
+    sets, wavs = free_run(models, codec, config, params, ctx.seed, ctx.snapshot, out, device,
+                          reference_cache(ctx, params, device))
     return {"device": device, "params": {"max_frames": params.max_frames, "temperature": params.temperature},
             "sets": sets, "metrics": gated(sets), "wav": wavs}
 
 
 def free_run(models: dict, codec, config: dict, params: FreeRunParams, seed: int, snapshot, out: Path | None,
-             device="cpu") -> tuple[dict, list]:
+             device="cpu", reference_cache=None) -> tuple[dict, list]:
     """BF16 (`models["ref"]`) and the candidate (`models["cand"]`) on every set: per-set figures,
-    and the WAVs written under out/report/ (none when out is None)."""
+    and the WAVs written under out/report/ (none when out is None). `reference_cache(set, sha, make)`,
+    when given, returns BF16's runs of a set, made by `make()` only the first time."""
     from .codec_eval import wav_bytes
     from .models.moss_tts_delay import MossTTSDelayConfig
     from .progress import progress
@@ -244,9 +281,15 @@ def free_run(models: dict, codec, config: dict, params: FreeRunParams, seed: int
                  for tag in ("coupled", "other")}
         gen = lambda who, nz: generate_batch(models[who], prompts, params.max_frames, ids,  # noqa: E731
                                              noise=nz, temperature=params.temperature, device=device)
-        runs = {"greedy": (gen("ref", None), gen("cand", None)),
-                "sampled": (gen("ref", noise["coupled"]), gen("cand", noise["coupled"]))}
-        runs["resample"] = (runs["sampled"][0], gen("ref", noise["other"]))
+
+        def bf16_runs():
+            return {mode: gen("ref", noise.get(tag)) for mode, tag in (("greedy", None), ("sampled", "coupled"),
+                                                                      ("resample", "other"))}
+
+        ref = bf16_runs() if reference_cache is None else reference_cache(name, sha, bf16_runs)
+        runs = {"greedy": (ref["greedy"], gen("cand", None)),
+                "sampled": (ref["sampled"], gen("cand", noise["coupled"])),
+                "resample": (ref["sampled"], ref["resample"])}
         entry = {"sha256": sha, "prompts": len(prompts), "voice_frames": params.voice_frames}
         for mode, (refs, cands) in runs.items():
             pairs = [compare_runs(r, c, n_vq, pad) for r, c in zip(refs, cands)]

@@ -59,7 +59,7 @@ def test_awq4_beats_rtn4_per_codebook_and_records_both(awq4, rtn4_build):
     assert awq["top1_audio_mean"] > rtn["top1_audio_mean"] + 0.05
     assert awq["kl_text"] < rtn["kl_text"] and awq["top1_text"] > rtn["top1_text"]
     assert awq["final_rel_error"] < rtn["final_rel_error"]
-    assert m["status"] == "accepted"
+    assert all(c["passed"] for c in m["gate"]["checks"] if not c["metric"].startswith("free."))
 
 
 def test_awq4_bundle_is_awq_gemm_and_loads_like_the_in_memory_model(awq4, tiny_path):

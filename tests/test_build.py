@@ -24,8 +24,11 @@ def test_rtn4_bundle_layout_and_manifest(rtn4_build):
     for key in ("profile", "version", "source", "stages", "environment", "seed", "files", "tensors",
                 "bits_per_weight", "protected", "status"):
         assert key in m
-    assert m["version"] == b.name and m["profile"] == "rtn4" and m["status"] == "accepted"
-    assert m["source"]["files"]["config.json"] and m["source"]["revision"] == "fixture-v1"
+    assert m["version"] == b.name and m["profile"] == "rtn4"
+    checks = m["gate"]["checks"]
+    assert m["status"] == ("accepted" if all(c["passed"] for c in checks) else "rejected")
+    assert all(c["passed"] for c in checks if not c["metric"].startswith("free."))  # teacher-forced: a 4-bit pass
+    assert m["source"]["files"]["config.json"] and m["source"]["revision"] == "fixture-v2"
     qc = json.loads((b / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "auto-round" and qc["packing_format"] == "auto_round:auto_gptq"
     assert (qc["bits"], qc["group_size"], qc["sym"]) == (4, 128, False)

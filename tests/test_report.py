@@ -1,5 +1,6 @@
-"""`mossquant report`: real bundles (rtn4 accepted, a 3-bit RTN rejected, codec-fp8) side by side;
-every table value checked against the manifests, the plots exist and are real PNGs."""
+"""`mossquant report`: real bundles (rtn4 with its free-running evaluation, a 3-bit RTN rejected
+teacher-forced, codec-fp8) side by side; every table value checked against the manifests, the
+plots exist and are real PNGs, the free-running WAVs sit beside the report."""
 import json
 import shutil
 
@@ -61,6 +62,24 @@ def tables(text: str) -> dict[str, list[dict]]:
     return out
 
 
+def tables_all(text: str, section: str) -> list[dict]:
+    """Every table row under one heading (tables with other columns follow each other)."""
+    rows, inside, header = [], False, None
+    for line in text.splitlines():
+        if line.startswith("#"):
+            inside = line.lstrip("#").strip() == section
+            header = None
+        elif inside and line.startswith("| "):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if header is None:
+                header = cells
+            elif not set(line) <= set("|-"):
+                rows.append(dict(zip(header, cells)))
+        elif inside and not line.startswith("|"):
+            header = None
+    return rows
+
+
 def num(cell: str):
     return None if cell == "—" else float(cell)
 
@@ -76,7 +95,7 @@ def test_report_lists_every_bundle_with_the_manifests_values(root):
     t = tables(text)
     ms = manifests(root, "tiny")
     assert set(ms) == {"rtn4", "rtn3-strict"}
-    assert ms["rtn4"]["status"] == "accepted" and ms["rtn3-strict"]["status"] == "rejected"
+    assert ms["rtn3-strict"]["status"] == "rejected"
 
     bundles = by_profile(t["Bundles"])
     assert set(bundles) == set(ms)
@@ -85,7 +104,23 @@ def test_report_lists_every_bundle_with_the_manifests_values(root):
         assert f"({p}/{m['version']}/)" in bundles[p]["version"]  # relative link to the bundle folder
     failed = bundles["rtn3-strict"]["failed checks"]
     assert "kl_audio_mean" in failed and "top1_audio_mean" not in failed  # only the check that failed
-    assert bundles["rtn4"]["failed checks"] == "—"
+    rtn4_failed = [c["metric"] for c in ms["rtn4"]["gate"]["checks"] if not c["passed"]]
+    assert all(k.startswith("free.") for k in rtn4_failed)  # teacher-forced it passes
+    if rtn4_failed:
+        assert all(k in bundles["rtn4"]["failed checks"] for k in rtn4_failed)
+    else:
+        assert bundles["rtn4"]["failed checks"] == "—"
+
+    free = [r for r in tables_all(text, "Free-running against BF16") if r.get("profile") == "rtn4"]
+    metrics = ms["rtn4"]["free_running"]["metrics"]
+    assert num(free[0]["free.code_disagreement_ratio"]) == pytest.approx(metrics["free.code_disagreement_ratio"], rel=1e-5)
+    assert num(free[0]["free.length_ratio"]) == pytest.approx(metrics["free.length_ratio"], rel=1e-5)
+    per_set = {r["set"]: r for r in free[1:]}
+    assert set(per_set) == {"moss-heldout-v1", "moss-heldout-v2", "moss-stress-long-v1"}
+    for name, r in per_set.items():
+        st = ms["rtn4"]["free_running"]["sets"][name]["sampled"]
+        assert num(r["length ratio"]) == pytest.approx(st["length_ratio_gmean"], abs=1e-3)
+        assert r["code agreement (reroll)"].startswith(f"{st['code_agreement']:.3f}")
 
     bpw = by_profile(t["Bits per weight"])
     for p, m in ms.items():
@@ -117,13 +152,16 @@ def test_report_lists_every_bundle_with_the_manifests_values(root):
 
 def test_plots_exist_are_real_pngs_and_are_referenced(root):
     text = write_report("tiny", root).read_text()
-    expected = {"bpw_components", "bpw_vs_fidelity", "block_error", "per_codebook"}
+    expected = {"bpw_components", "bpw_vs_fidelity", "block_error", "per_codebook", "divergence", "decoded_distance"}
     for stem in expected:
         png = root / "tiny" / f"{stem}.png"
         data = png.read_bytes()
         assert data[:8] == PNG and len(data) > 10_000, stem  # axes, labels and data, not an empty canvas
         assert f"]({stem}.png)" in text
     assert not list((root / "tiny").glob(".report.tmp-*"))
+    wavs = sorted((root / "tiny" / "wavs" / "rtn4").iterdir())  # BF16 and quantized, one prompt per set
+    assert len(wavs) == 6 and all(w.read_bytes()[:4] == b"RIFF" for w in wavs)
+    assert all(f"](wavs/rtn4/{w.name})" in text for w in wavs)
 
 
 def test_report_is_deterministic(root):
