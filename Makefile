@@ -16,7 +16,7 @@ export TRANSFORMERS_OFFLINE := 1
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[methods,registry,report,test,gguf]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[methods,registry,report,test,gguf,speech]'
 	$(PY) -m pip install -q -c constraints.txt --no-deps autoawq==0.2.9
 	touch $@
 
@@ -29,7 +29,9 @@ fixture: install
 	$(MQ) fixture $(or $(NAME),tiny)
 
 # The test command installs what its tests need: the registry tests' server (Debian's docker-registry).
+# espeak-ng: speech for the ASR scorer's test (scripts/install-speech-tools.sh).
 test: install .tools/docker-registry/usr/bin/docker-registry
+	bash scripts/install-speech-tools.sh
 	$(PY) -m pytest tests
 
 .tools/docker-registry/usr/bin/docker-registry:

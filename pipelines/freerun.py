@@ -42,6 +42,7 @@ class FreeRunParams:
     max_frames: int = 1000
     temperature: float = 1.0
     wavs: int = 1  # prompts per set whose decoded audio (BF16 and quantized, sampled) goes into report/
+    scorers: list[str] = field(default_factory=list)  # "module:Class" on the decoded audio (pipelines/scorers.py)
 
     def validate(self):
         if not self.sets:
@@ -53,6 +54,10 @@ class FreeRunParams:
             raise ValueError("voice_frames and wavs: must be >= 0")
         if not self.temperature > 0:
             raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        from .scorers import check_entry
+
+        for entry in self.scorers:
+            check_entry(entry)
 
 
 def prompts_of(name: str, config: dict, n: int, voice_frames: int, snapshot: Path | None) -> tuple[list, str]:
@@ -197,6 +202,8 @@ def gated(sets: dict) -> dict:
         "free.length_dev_ratio": ratio(dev("sampled"), dev("resample")),
         "free.prompts": prompts,
     }
+    for key in sorted({k for s in sets.values() for k in s.get("scorers", {})}):  # the user's scorers, averaged
+        figures[f"free.{key}"] = sum(s["scorers"][key] for s in sets.values()) / len(sets)
     return {k: round(v, 6) for k, v in figures.items()}
 
 
@@ -216,7 +223,7 @@ def reference_cache(ctx, params: FreeRunParams, device: str):
 
     def get(name: str, sha: str, make):
         payload = {"set": name, "sha256": sha, "source": pins_digest(ctx.spec), "seed": ctx.seed, "device": device,
-                   "params": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("sets", "wavs")},
+                   "params": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("sets", "wavs", "scorers")},
                    "code": stage_code(__name__)}
         folder = ctx.cache_root / "freerun-bf16" / hashlib.sha256(canonical_json(payload).encode()).hexdigest()
         if not (folder / "runs.json").exists():
@@ -242,6 +249,9 @@ def run(ctx, params: FreeRunParams, out: Path) -> dict:
     from .source import load_model_spec, resolve_path, verify
     from .stages import resolve_device
 
+    from .scorers import load_scorers
+
+    scorers = load_scorers(params.scorers, f"{ctx.profile.path}: stages.freerun.scorers")  # fail before the long part
     if not ctx.spec.codec:
         raise PipelineError(f"configs/models/{ctx.spec.name}.yaml: no `codec:` to decode the generated audio with")
     config = ctx.checkpoint().config()
@@ -255,13 +265,13 @@ def run(ctx, params: FreeRunParams, out: Path) -> dict:
     verify(codec_spec, codec_path)
     codec = source_decoder(Checkpoint(codec_path))
     sets, wavs = free_run(models, codec, config, params, ctx.seed, ctx.snapshot, out, device,
-                          reference_cache(ctx, params, device))
+                          reference_cache(ctx, params, device), scorers)
     return {"device": device, "params": {"max_frames": params.max_frames, "temperature": params.temperature},
             "sets": sets, "metrics": gated(sets), "wav": wavs}
 
 
 def free_run(models: dict, codec, config: dict, params: FreeRunParams, seed: int, snapshot, out: Path | None,
-             device="cpu", reference_cache=None) -> tuple[dict, list]:
+             device="cpu", reference_cache=None, scorers=()) -> tuple[dict, list]:
     """BF16 (`models["ref"]`) and the candidate (`models["cand"]`) on every set: per-set figures,
     and the WAVs written under out/report/ (none when out is None). `reference_cache(set, sha, make)`,
     when given, returns BF16's runs of a set, made by `make()` only the first time."""
@@ -293,15 +303,22 @@ def free_run(models: dict, codec, config: dict, params: FreeRunParams, seed: int
         entry = {"sha256": sha, "prompts": len(prompts), "voice_frames": params.voice_frames}
         for mode, (refs, cands) in runs.items():
             pairs = [compare_runs(r, c, n_vq, pad) for r, c in zip(refs, cands)]
-            dist = []
+            dist, continuations = [], []
             for i, (r, c) in enumerate(zip(refs, cands)):
                 d, waves = decoded_distance(codec, r, c, params.voice_frames, n_vq, pad, codec.config.sampling_rate)
                 dist.append(d)
+                continuations.append([w[params.voice_frames * codec.config.downsample_rate:] for w in waves])
                 if out is not None and mode == "sampled" and i < params.wavs:
                     for tag, w in zip(("bf16", "quant"), waves):
                         fname = f"report/{name}-{i}-{tag}.wav"
                         (out / fname).write_bytes(wav_bytes(w, codec.config.sampling_rate))
                         wavs.append(fname)
             entry[mode] = summarise(pairs, dist, n_vq, params.max_frames)
+            if scorers and mode == "sampled":
+                from .scorers import run_scorers
+
+                entry["scorers"] = run_scorers(scorers, [w[0] for w in continuations], [w[1] for w in continuations],
+                                               {"modality": "decoded-audio", "sampling_rate": codec.config.sampling_rate,
+                                                "set": name})
         sets[name] = entry
     return sets, wavs

@@ -23,6 +23,15 @@ own models must find them locally (the pipeline runs with HF_HUB_OFFLINE=1).
 
 The returned figures go into the manifest's `evaluation.metrics` as `<name>.<key>` (finite
 floats, 6 significant digits), where the report shows them and `gate` can threshold them.
+
+In the `freerun` stage (`stages.freerun.scorers`) a scorer gets decoded audio instead: reference
+and candidate are lists of 1-D float waveforms (BF16's and the bundle's continuation of the same
+prompt under the same sampling noise, after the voice prompt); `context` carries `modality`
+("decoded-audio"), `sampling_rate` and `set`. Its figures land per set in `free_running.sets` and,
+averaged over the sets, as `free.<name>.<key>` in `free_running.metrics` (gate-able).
+
+Built in: `pipelines.scorers:PocketSphinxCER`, ASR consistency with pocketsphinx's own en-US model
+(shipped inside its wheel: nothing is downloaded; `pip install '.[speech]'`).
 """
 from __future__ import annotations
 
@@ -100,6 +109,59 @@ def run_scorers(scorers: list[Scorer], reference, candidate, context: dict) -> d
                 raise PipelineError(f"scorer {s.name!r}: figure {key!r} is {value!r}, expected a finite number")
             out[f"{s.name}.{key}"] = float(f"{float(value):.6g}")
     return out
+
+
+def edit_distance(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+class PocketSphinxCER:
+    """Character error rate of the candidate's transcript against the reference's: does the
+    quantized model say what BF16 says (the seeds' "identical transcripts")? pocketsphinx's bundled
+    en-US acoustic model and language model; audio resampled to 16 kHz. A dither 40 dB below the
+    signal goes in first: pocketsphinx's front end transcribes clean synthetic speech (espeak-ng)
+    worse than the same speech with a little noise, and seeded noise keeps the transcript a function
+    of the audio."""
+
+    name = "asr"
+    DITHER_DB = 40.0
+
+    def __init__(self):
+        from pocketsphinx import Decoder
+
+        self.decoder = Decoder(samprate=16000, logfn="/dev/null")
+
+    def transcribe(self, wave: torch.Tensor, sr: int, key: str) -> str:
+        from . import portable_random as rnd
+
+        x = torch.as_tensor(wave).double().flatten()
+        if x.numel() < sr // 10:  # under 0.1 s: nothing to transcribe
+            return ""
+        rms = float(x.pow(2).mean().sqrt())
+        x = x + rnd.normal(f"moss-quant/asr-dither/{key}", (x.numel(),)).double() * rms * 10 ** (-self.DITHER_DB / 20)
+        y = torch.nn.functional.interpolate(x.float()[None, None], size=x.numel() * 16000 // sr, mode="linear",
+                                            align_corners=False)[0, 0]
+        pcm = (y.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
+        self.decoder.start_utt()
+        self.decoder.process_raw(pcm, full_utt=True)
+        self.decoder.end_utt()
+        hyp = self.decoder.hyp()
+        return hyp.hypstr if hyp else ""
+
+    def score(self, reference, candidate, context: dict) -> dict[str, float]:
+        sr, cers, chars = context["sampling_rate"], [], 0
+        for i, (r, c) in enumerate(zip(reference, candidate)):
+            key = f"{context.get('set', '')}/{i}"
+            tr, tc = self.transcribe(r, sr, key), self.transcribe(c, sr, key)
+            cers.append(edit_distance(tr, tc) / max(1, len(tr)) if tr or tc else 0.0)
+            chars += len(tr)
+        return {"cer": sum(cers) / max(1, len(cers)), "reference_chars": chars / max(1, len(cers))}
 
 
 class GreedyTokens:

@@ -89,6 +89,16 @@ def test_coupled_noise_is_portable_and_couples_samples(tiny_path):
     assert torch.equal(alone[0].rows, runs[0][1].rows)
 
 
+class SampleCount:
+    """A scorer on the decoded audio: how many samples the candidate's continuations hold beside BF16's."""
+
+    name = "count"
+
+    def score(self, reference, candidate, context):
+        assert context["modality"] == "decoded-audio" and len(reference) == len(candidate)
+        return {"ratio": sum(len(c) for c in candidate) / max(1, sum(len(r) for r in reference))}
+
+
 def _bounds():
     gate = yaml.safe_load((CONFIGS / "profiles" / "rtn4.yaml").read_text())["stages"]["gate"]
     return {k: v for k, v in gate["max"].items() if k.startswith("free.")}, \
@@ -111,7 +121,8 @@ def run_against_bf16(tiny_path):
 
     def run(**replace):
         cand = _models(tiny_path, **replace)[2]
-        sets, _ = free_run({"ref": ref, "cand": cand}, codec, ck.config(), params, 0, tiny_path, None)
+        sets, _ = free_run({"ref": ref, "cand": cand}, codec, ck.config(), params, 0, tiny_path, None,
+                           scorers=[SampleCount()])
         return gated(sets)
 
     return run
@@ -120,6 +131,7 @@ def run_against_bf16(tiny_path):
 def test_bf16_against_itself_passes_with_zero_deviation(run_against_bf16):
     g = run_against_bf16()
     assert g["free.code_disagreement_ratio"] == 0 and g["free.length_ratio"] == 1 and g["free.runaway_excess"] == 0
+    assert g["free.count.ratio"] == 1.0  # scorers see the decoded continuations, averaged over the sets
     assert _failed(g) == []
 
 
@@ -127,6 +139,7 @@ def test_a_zeroed_text_head_is_rejected_by_the_free_running_checks(run_against_b
     """The text head only decides when the audio ends: teacher-forced audio KL cannot see it."""
     g = run_against_bf16(**{"lm_heads.0.weight": torch.zeros_like})
     assert "free.length_ratio" in _failed(g), g
+    assert g["free.count.ratio"] < 0.9  # it ends early, so it also says less
 
 
 def test_two_bit_rtn_everywhere_is_rejected_by_the_free_running_checks(run_against_bf16, tiny_path):
