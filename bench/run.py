@@ -72,8 +72,10 @@ def build_fixtures(model: str, layers: int | None, work: Path, device: str, code
     return {"generator": (pinned(gen_spec, gen), gen), "codec": (pinned(codec_spec, codec) if codec.exists() else codec_spec, codec), "backbone": backbone}
 
 
-def smoke_profile(name: str, model: str, work: Path) -> Path:
-    """A copy of the profile whose per-model overrides for `model` are shrunk by SMOKE."""
+def bench_profile(name: str, model: str, work: Path, smoke: bool) -> Path:
+    """A copy of the profile without the free-running evaluation (an evaluation with its own cost,
+    not what the speed and memory targets are about: its gate bounds go with it); with `smoke`, its
+    per-model overrides for `model` shrunk by SMOKE."""
     import yaml
 
     from pipelines.api import plan
@@ -81,12 +83,21 @@ def smoke_profile(name: str, model: str, work: Path) -> Path:
 
     raw = yaml.safe_load(profile_path(name).read_text())
     prof = plan(name, model)
+    raw["stages"].pop("freerun", None)
+    for bound in ("max", "min"):
+        gate = (raw["stages"].get("gate") or {}).get(bound) or {}
+        for key in [k for k in gate if k.startswith("free.")]:
+            del gate[key]
     over = raw.setdefault("models", {}).setdefault(model, {}) or {}
+    over.pop("freerun", None)
     for stage, params in prof.stages.items():
         fields = {f.name for f in dataclasses.fields(getattr(params, "config", params))}
-        small = {k: v for k, v in SMOKE.get(stage, {}).items() if k in fields}
+        small = {k: v for k, v in SMOKE.get(stage, {}).items() if k in fields} if smoke else {}
         if small:
             over[stage] = {**(over.get(stage) or {}), **small}
+    for m in raw["models"].values():
+        if isinstance(m, dict):
+            m.pop("freerun", None)
     raw["models"][model] = over
     out = work / "profiles" / f"{name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +301,7 @@ def main(argv=None) -> None:
             skipped[name] = "no configs/profiles/" + name + ".yaml yet"
             continue
         spec, path = (codec_spec, codec_path) if name.startswith("codec") else (gen_spec, gen_path)
-        profile = str(smoke_profile(name, spec.name, work)) if args.smoke else name
+        profile = str(bench_profile(name, spec.name, work, args.smoke))
         job = {"what": "profile", "profile": profile, "snapshot": str(path),
                "spec": {**dataclasses.asdict(spec), "yaml_path": str(spec.yaml_path)}}
         runs[name] = spawn(name, job, out, work, args.keep)
@@ -302,7 +313,7 @@ def main(argv=None) -> None:
             if profile not in requested:
                 skipped[anchor] = f"its profile {profile} is not in --profiles"
                 continue
-            copy = str(smoke_profile(profile, gen_spec.name, work)) if args.smoke else None  # the same shrink
+            copy = str(bench_profile(profile, gen_spec.name, work, args.smoke)) if args.smoke else None  # the same shrink
             s = settings(anchor, gen_spec.name, copy)
             job = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s}
             runs[anchor] = {**spawn(anchor, job, out, work, args.keep), "settings": s}

@@ -123,8 +123,9 @@ def curve(per_prompt: list[dict], max_frames: int) -> list[float]:
     return out
 
 
-def decoded_distance(codec, ref: Run, cand: Run, prompt_frames: int, n_vq: int, pad: int, sr: int) -> dict:
-    """Both streams decoded by the source codec; compared after the voice prompt, over the common length."""
+def decoded_distance(codec, ref: Run, cand: Run, n_vq: int, pad: int, sr: int) -> dict:
+    """Both generated continuations decoded by the source codec (de-delayed, the generated rows hold
+    whole frames from the first), compared over their common length."""
     from .codec_eval import SNR_CAP_DB, log_mel_distance_db
 
     waves = []
@@ -132,10 +133,10 @@ def decoded_distance(codec, ref: Run, cand: Run, prompt_frames: int, n_vq: int, 
         codes = raw_codes(run.rows, n_vq, pad)
         waves.append(codec.decode(codes.t().contiguous()[:, None])[0, 0] if len(codes) else torch.zeros(0))
     per_frame = codec.config.downsample_rate
-    a, b = (w[prompt_frames * per_frame:] for w in waves)
+    a, b = waves
     n = min(len(a), len(b))
     out = {"samples": [len(waves[0]), len(waves[1])]}
-    if n < max(4 * per_frame, 1024):  # under one STFT window after the prompt: one of the two ended at once
+    if n < max(4 * per_frame, 1024):  # under one STFT window: one of the two ended at once
         out.update(log_mel_db=None, snr_db=None)
         return out, waves
     a, b = a[:n].double(), b[:n].double()
@@ -181,6 +182,9 @@ def gated(sets: dict) -> dict:
     free.log_mel_ratio: decoded log-mel distance to BF16 after the voice prompt, frame by frame, over
         the prompts long enough to compare in both.
     free.length_ratio: geometric-mean utterance length (sampled), candidate over BF16.
+    free.length_shift: |ln length_ratio| beyond two standard errors of sampling noise (the reroll's
+        per-prompt spread over sqrt(prompts); conservative, as the coupled pairs vary less): the part
+        of a tempo change that the dice cannot explain.
     free.length_dev_ratio: mean |ln(length / BF16's)| per prompt, over the yardstick's (recorded)."""
     def ratio(a, b):  # BF16 never varies under other noise: any deviation of the candidate is unbounded
         return a / b if b else (0.0 if not a else UNBOUNDED)
@@ -194,11 +198,15 @@ def gated(sets: dict) -> dict:
 
     mel = paired("log_mel_per_prompt")
     dev = lambda mode: sum(abs(math.log(r)) for r in every(mode, "length_ratios"))  # noqa: E731
+    shift = sum(math.log(r) for r in every("sampled", "length_ratios")) / prompts
+    # a prompt's ln length ratio under a reroll: its spread is the noise in one prompt's figure
+    noise = math.sqrt(sum(math.log(r) ** 2 for r in every("resample", "length_ratios")) / prompts)
     figures = {
         "free.runaway_excess": (total("greedy", "runaways") + max(0, total("sampled", "runaways") - total("resample", "runaways"))) / prompts,
         "free.code_disagreement_ratio": ratio(1 - agree("sampled"), 1 - agree("resample")),
         "free.log_mel_ratio": ratio(sum(a for a, _ in mel), sum(b for _, b in mel)) if mel else 0.0,
-        "free.length_ratio": math.exp(sum(math.log(r) for r in every("sampled", "length_ratios")) / prompts),
+        "free.length_ratio": math.exp(shift),
+        "free.length_shift": max(0.0, abs(shift) - 2 * noise / math.sqrt(prompts)),
         "free.length_dev_ratio": ratio(dev("sampled"), dev("resample")),
         "free.prompts": prompts,
     }
@@ -208,9 +216,10 @@ def gated(sets: dict) -> dict:
 
 
 def reference_cache(ctx, params: FreeRunParams, device: str):
-    """BF16's runs depend on the source, the set, these params, the seed, the device kind and this
-    code, never on the profile: made once, kept content-addressed beside the stage cache (the same
-    rule as the stage cache, written atomically), read by every profile after."""
+    """BF16's runs depend on the source, the sets, these params, the seed, the device kind and this
+    code, never on the profile or the run: made once, kept content-addressed in artifacts/.cache/
+    whatever the run's own cache root (the key covers all they depend on), written atomically, read
+    by every profile after."""
     import hashlib
     import json
 
@@ -218,25 +227,25 @@ def reference_cache(ctx, params: FreeRunParams, device: str):
 
     from .atomic import atomic_folder
     from .checkpoint import canonical_json
-    from .source import pins_digest
+    from .source import ARTIFACTS, pins_digest
     from .stages import stage_code
 
-    def get(name: str, sha: str, make):
-        payload = {"set": name, "sha256": sha, "source": pins_digest(ctx.spec), "seed": ctx.seed, "device": device,
+    def get(shas: dict, make):
+        payload = {"sets": shas, "source": pins_digest(ctx.spec), "seed": ctx.seed, "device": device,
                    "params": {k: v for k, v in dataclasses.asdict(params).items() if k not in ("sets", "wavs", "scorers")},
                    "code": stage_code(__name__)}
-        folder = ctx.cache_root / "freerun-bf16" / hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+        folder = ARTIFACTS / ".cache" / "freerun-bf16" / hashlib.sha256(canonical_json(payload).encode()).hexdigest()
         if not (folder / "runs.json").exists():
             runs = make()
             with atomic_folder(folder) as tmp:
-                save_file({f"{mode}.{i}": r.rows.contiguous() for mode, rs in runs.items() for i, r in enumerate(rs)},
-                          str(tmp / "runs.safetensors"))
+                save_file({f"{mode}/{name}/{i}": r.rows.contiguous() for (mode, name), rs in runs.items()
+                           for i, r in enumerate(rs)}, str(tmp / "runs.safetensors"))
                 (tmp / "runs.json").write_text(canonical_json(
-                    {mode: [[r.ended, r.overrides] for r in rs] for mode, rs in runs.items()}))
+                    {f"{mode}/{name}": [[r.ended, r.overrides] for r in rs] for (mode, name), rs in runs.items()}))
             return runs
         rows, meta = load_file(str(folder / "runs.safetensors")), json.loads((folder / "runs.json").read_text())
-        return {mode: [Run(rows[f"{mode}.{i}"], ended, overrides) for i, (ended, overrides) in enumerate(rs)]
-                for mode, rs in meta.items()}
+        return {tuple(key.split("/", 1)): [Run(rows[f"{key}/{i}"], ended, overrides) for i, (ended, overrides) in enumerate(rs)]
+                for key, rs in meta.items()}
 
     return get
 
@@ -270,44 +279,66 @@ def run(ctx, params: FreeRunParams, out: Path) -> dict:
             "sets": sets, "metrics": gated(sets), "wav": wavs}
 
 
+NOISE = {"greedy": None, "sampled": "coupled", "resample": "other"}  # mode -> noise stream (greedy: none)
+
+
 def free_run(models: dict, codec, config: dict, params: FreeRunParams, seed: int, snapshot, out: Path | None,
              device="cpu", reference_cache=None, scorers=()) -> tuple[dict, list]:
     """BF16 (`models["ref"]`) and the candidate (`models["cand"]`) on every set: per-set figures,
-    and the WAVs written under out/report/ (none when out is None). `reference_cache(set, sha, make)`,
-    when given, returns BF16's runs of a set, made by `make()` only the first time."""
+    and the WAVs written under out/report/ (none when out is None). `reference_cache(key, make)`,
+    when given, returns BF16's runs, made by `make()` only the first time.
+
+    Every set's prompts in every mode go through one batched generation per model (the step count,
+    not the batch, is what costs); BF16 and the candidate see the same batch composition for the
+    modes they share, so a candidate equal to BF16 draws exactly BF16's rows."""
     from .codec_eval import wav_bytes
     from .models.moss_tts_delay import MossTTSDelayConfig
-    from .progress import progress
 
     cfg = MossTTSDelayConfig.from_dict(config)
     ids, pad, n_vq = special_ids(config), cfg.audio_pad_code, cfg.n_vq
     vocab, audio_vocab = cfg.language_config["vocab_size"], pad + 1
+    prompts, shas = {}, {}
+    for name in params.sets:
+        prompts[name], shas[name] = prompts_of(name, config, params.prompts, params.voice_frames, snapshot)
+
+    def gen(who: str, modes: tuple) -> dict:
+        groups = [(mode, name) for mode in modes for name in params.sets]
+        noises = [gumbel(f"moss-quant/freerun/{name}/{seed}/{NOISE[mode]}", len(prompts[name]), vocab, n_vq, audio_vocab)
+                  if NOISE[mode] else None for mode, name in groups]
+
+        def noise(t):
+            parts = [nz(t) if nz else (torch.zeros(len(prompts[n]), vocab, dtype=torch.float64),
+                                       torch.zeros(len(prompts[n]), n_vq, audio_vocab, dtype=torch.float64))
+                     for nz, (_, n) in zip(noises, groups)]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+        runs = generate_batch(models[who], [p for _, n in groups for p in prompts[n]], params.max_frames, ids,
+                              noise=noise if any(noises) else None, temperature=params.temperature, device=device)
+        out, at = {}, 0
+        for mode, name in groups:
+            out[mode, name], at = runs[at:at + len(prompts[name])], at + len(prompts[name])
+        return out
+
+    def bf16_runs():
+        return {**gen("ref", ("greedy", "sampled")), **gen("ref", ("resample",))}
+
+    ref = bf16_runs() if reference_cache is None else reference_cache(shas, bf16_runs)
+    cand = gen("cand", ("greedy", "sampled"))
     if out is not None:
         (out / "report").mkdir(exist_ok=True)
     sets, wavs = {}, []
-    for name in progress(params.sets, desc="free-running", unit="set"):
-        prompts, sha = prompts_of(name, config, params.prompts, params.voice_frames, snapshot)
-        noise = {tag: gumbel(f"moss-quant/freerun/{name}/{seed}/{tag}", len(prompts), vocab, n_vq, audio_vocab)
-                 for tag in ("coupled", "other")}
-        gen = lambda who, nz: generate_batch(models[who], prompts, params.max_frames, ids,  # noqa: E731
-                                             noise=nz, temperature=params.temperature, device=device)
-
-        def bf16_runs():
-            return {mode: gen("ref", noise.get(tag)) for mode, tag in (("greedy", None), ("sampled", "coupled"),
-                                                                      ("resample", "other"))}
-
-        ref = bf16_runs() if reference_cache is None else reference_cache(name, sha, bf16_runs)
-        runs = {"greedy": (ref["greedy"], gen("cand", None)),
-                "sampled": (ref["sampled"], gen("cand", noise["coupled"])),
-                "resample": (ref["sampled"], ref["resample"])}
-        entry = {"sha256": sha, "prompts": len(prompts), "voice_frames": params.voice_frames}
+    for name in params.sets:
+        entry = {"sha256": shas[name], "prompts": len(prompts[name]), "voice_frames": params.voice_frames}
+        runs = {"greedy": (ref["greedy", name], cand["greedy", name]),
+                "sampled": (ref["sampled", name], cand["sampled", name]),
+                "resample": (ref["sampled", name], ref["resample", name])}
         for mode, (refs, cands) in runs.items():
             pairs = [compare_runs(r, c, n_vq, pad) for r, c in zip(refs, cands)]
             dist, continuations = [], []
             for i, (r, c) in enumerate(zip(refs, cands)):
-                d, waves = decoded_distance(codec, r, c, params.voice_frames, n_vq, pad, codec.config.sampling_rate)
+                d, waves = decoded_distance(codec, r, c, n_vq, pad, codec.config.sampling_rate)
                 dist.append(d)
-                continuations.append([w[params.voice_frames * codec.config.downsample_rate:] for w in waves])
+                continuations.append(waves)
                 if out is not None and mode == "sampled" and i < params.wavs:
                     for tag, w in zip(("bf16", "quant"), waves):
                         fname = f"report/{name}-{i}-{tag}.wav"

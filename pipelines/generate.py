@@ -140,7 +140,9 @@ def generate_batch(model, prompts: list[torch.Tensor], steps: int, ids: dict, no
         x[b, longest - p.shape[0]:], mask[b, longest - p.shape[0]:] = p, 1
     x, mask = x.to(device), mask.to(device)
     cache, rows, done = DynamicCache(), [[] for _ in prompts], [False] * len(prompts)
-    for t in range(steps):
+    from .progress import progress
+
+    for t in progress(range(steps), desc=f"generate {len(prompts)}", unit="row"):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1]:]
         h = model.language_model(inputs_embeds=model.embed(x), attention_mask=mask, position_ids=pos,
                                  past_key_values=cache, use_cache=True).last_hidden_state

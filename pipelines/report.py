@@ -197,7 +197,8 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
                   "the gate reads. Per set, sampled: code agreement with BF16 (the reroll's in brackets), geometric-mean "
                   "length ratio, the decoded log-mel distance after the voice prompt (dB), runaways; greedy: rows before "
                   "the first divergence (median).", ""]
-        keys = ("free.code_disagreement_ratio", "free.length_ratio", "free.runaway_excess", "free.log_mel_ratio")
+        keys = ("free.code_disagreement_ratio", "free.length_ratio", "free.length_shift", "free.runaway_excess",
+                "free.log_mel_ratio")
         lines += table(["profile", *keys], [[e.profile] + [e.free["metrics"].get(k) for k in keys] for e in free])
         rows = []
         for e in free:

@@ -60,6 +60,13 @@ def test_gated_figures_are_pooled_ratios_to_the_reroll():
     assert g["free.code_disagreement_ratio"] == pytest.approx((1 - 0.7) / (1 - 0.6))
     assert g["free.length_ratio"] == pytest.approx(1.0)  # 2 x 0.5 x 1 x 1
     assert g["free.length_dev_ratio"] == pytest.approx(2 * math.log(2) / math.log(4))
+    noise = math.sqrt(math.log(4) ** 2 / 4)  # the reroll's per-prompt spread; the candidate's mean shift is 0
+    assert g["free.length_shift"] == 0.0 and noise > 0
+    for s in sets.values():  # every utterance 4x shorter where a reroll keeps every length: all of it counts
+        s["sampled"]["length_ratios"], s["resample"]["length_ratios"] = [0.25, 0.25], [1.0, 1.0]
+    assert gated(sets)["free.length_shift"] == pytest.approx(math.log(4))
+    sets["a"]["resample"]["length_ratios"] = [4.0, 0.25]  # a noisy reroll explains part of it
+    assert gated(sets)["free.length_shift"] == pytest.approx(math.log(4) - 2 * math.sqrt(2 * math.log(4) ** 2 / 4) / 2)
     assert g["free.runaway_excess"] == pytest.approx((1 + max(0, 1 - 1)) / 4)  # greedy 1, sampled 1 - reroll 1
     assert g["free.log_mel_ratio"] == pytest.approx((1.0 + 3.0) / (2.0 + 1.0))  # prompts comparable in both
 
@@ -138,7 +145,7 @@ def test_bf16_against_itself_passes_with_zero_deviation(run_against_bf16):
 def test_a_zeroed_text_head_is_rejected_by_the_free_running_checks(run_against_bf16):
     """The text head only decides when the audio ends: teacher-forced audio KL cannot see it."""
     g = run_against_bf16(**{"lm_heads.0.weight": torch.zeros_like})
-    assert "free.length_ratio" in _failed(g), g
+    assert "free.length_shift" in _failed(g), g
     assert g["free.count.ratio"] < 0.9  # it ends early, so it also says less
 
 
