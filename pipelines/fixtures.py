@@ -136,7 +136,7 @@ def make_tensor(name: str, shape, cfg: dict, seed: int, device: str = "cpu") -> 
             w = w * 0.003  # the MLP reads x20-50 outlier inputs: damp its update to the same scale
         out[r0:r1] = rnd.to_bfloat16(w).cpu()
     if name == "lm_heads.0.weight":
-        plant_end_of_audio(out, cfg, outliers[:2])
+        plant_end_of_audio(out, cfg, outliers[:2].cpu())
     return out
 
 

@@ -114,6 +114,10 @@ def test_the_gguf_pushes_as_a_docker_model_and_a_modelpack_weight(tmp_path):
 
     data = yaml.safe_load(profile_path("rtn4").read_text())
     stages = dict(data["stages"])
+    # rtn4 without its free-running checks (which reject it on tiny): a bundle whose verdict lets it move its tags
+    stages.pop("freerun")
+    stages["gate"] = {b: {k: v for k, v in stages["gate"][b].items() if not k.startswith("free.")} for b in ("max", "min")}
+    data["models"]["tiny"].pop("freerun")
     data["stages"] = {**{k: v for k, v in stages.items() if k != "export"}, "gguf": {}, "export": stages["export"]}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     ctx = build(str(tmp_path / "p.yaml"), "tiny", cache_root=tmp_path / "cache", bundle_root=tmp_path / "b")
