@@ -139,7 +139,7 @@ def test_rebuild_under_another_cpu_kernel(profile, allowed, tmp_path):
     mq = [sys.executable, "-m", "pipelines"]
     r = subprocess.run([*mq, "quantize", profile, "--model", "tiny"], env=dict(base, ATEN_CPU_CAPABILITY="default"),
                        capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode in (0, 3), r.stderr[-2000:]  # 3: built, and rejected by its gate (rtn4's free-running checks)
     bundle = r.stdout.strip().splitlines()[-1].removeprefix("bundle: ")
     r = subprocess.run([*mq, "rebuild", bundle], env=dict(base, ATEN_CPU_CAPABILITY=other),
                        capture_output=True, text=True, cwd=ROOT)
