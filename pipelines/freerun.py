@@ -159,7 +159,6 @@ def summarise(pairs: list[dict], dist: list[dict], n_vq: int, max_frames: int) -
         "agreement_curve": curve(pairs, max_frames),
         "length_ratio_gmean": math.exp(sum(math.log(p["length_ratio"]) for p in pairs) / len(pairs)),
         "length_ratios": [p["length_ratio"] for p in pairs],
-        "runaway_excess": sum(p["runaway"] for p in pairs) / len(pairs),
         "ended": [sum(p["ended"][i] for p in pairs) for i in (0, 1)],
         "loops": [sum(p["loops"][i] for p in pairs) for i in (0, 1)],
         "overrides_per_row": [sum(p["overrides_per_row"][i] for p in pairs) / len(pairs) for i in (0, 1)],

@@ -129,6 +129,8 @@ def generate_batch(model, prompts: list[torch.Tensor], steps: int, ids: dict, no
     `stop` ("audio_end" or "im_end")."""
     from transformers import DynamicCache
 
+    from .progress import progress
+
     stop_id = ids[f"{stop}_token_id"]
     pad_code = model.config.audio_pad_code
     states = [DelayState.from_prompt(p, ids, pad_code) for p in prompts]
@@ -140,8 +142,6 @@ def generate_batch(model, prompts: list[torch.Tensor], steps: int, ids: dict, no
         x[b, longest - p.shape[0]:], mask[b, longest - p.shape[0]:] = p, 1
     x, mask = x.to(device), mask.to(device)
     cache, rows, done = DynamicCache(), [[] for _ in prompts], [False] * len(prompts)
-    from .progress import progress
-
     for t in progress(range(steps), desc=f"generate {len(prompts)}", unit="row"):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1]:]
         h = model.language_model(inputs_embeds=model.embed(x), attention_mask=mask, position_ids=pos,
