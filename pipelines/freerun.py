@@ -104,7 +104,9 @@ def compare_runs(ref: Run, cand: Run, n_vq: int, pad: int) -> dict:
     return {
         "first_divergence": int(differ[0, 0]) if len(differ) else n,
         "agreement": agree.tolist(),
-        "row_agreement": same.all(dim=1).double().tolist(),
+        # per row: the share of its due codes equal to BF16's (a row with none due: its text token)
+        "row_agreement": torch.where(due.sum(1) > 0, (same[:, 1:] & due).sum(1) / due.sum(1).clamp(min=1),
+                                     same[:, 0].double()).tolist(),
         "length_ratio": len(cand.rows) / len(ref.rows),
         "runaway": (not cand.ended or loops(c_codes)) and ref.ended and not loops(r_codes),
         "ended": [ref.ended, cand.ended],
@@ -114,7 +116,7 @@ def compare_runs(ref: Run, cand: Run, n_vq: int, pad: int) -> dict:
 
 
 def curve(per_prompt: list[dict], max_frames: int) -> list[float]:
-    """Row agreement over the run, in CURVE_BINS bins of the row index (mean over prompts still running)."""
+    """Code agreement over the run, in CURVE_BINS bins of the row index (mean over prompts still running)."""
     width = math.ceil(max_frames / CURVE_BINS)
     out = []
     for b in range(CURVE_BINS):

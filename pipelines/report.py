@@ -371,7 +371,7 @@ def plot_sequence_snr(fig, entries, colors):
 
 
 def plot_divergence(fig, entries, colors):
-    """Row agreement with BF16 over the run (coupled sampling, mean over sets), per profile."""
+    """Code agreement with BF16 over the run (coupled sampling, mean over sets), per profile."""
     ax = fig.subplots()
     for e in entries:
         curves = [st["sampled"]["agreement_curve"] for st in e.free["sets"].values()]
@@ -382,7 +382,7 @@ def plot_divergence(fig, entries, colors):
         xs = [(i + 0.5) * width for i, v in enumerate(mean) if v is not None]
         ax.plot(xs, [v for v in mean if v is not None], marker="o", ms=3, color=colors[e.profile], label=e.profile)
     ax.set_xlabel("generated row")
-    ax.set_ylabel("rows equal to BF16's (coupled sampling)")
+    ax.set_ylabel("codes equal to BF16's (coupled sampling)")
     ax.set_title("Free-running divergence from BF16")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -38,6 +38,7 @@ def test_compare_runs_first_divergence_agreement_and_runaway():
     assert c["first_divergence"] == 2
     # agreement only where the reference emitted a code: codebook 0 3/4, codebook 1 2/3, codebooks 2, 3 all
     assert c["agreement"] == pytest.approx([0.75, 2 / 3, 1.0, 1.0])
+    assert c["row_agreement"] == pytest.approx([1.0, 1.0, 2 / 3, 0.75])  # the curve's points: due codes per row
     assert c["length_ratio"] == 1.5 and c["runaway"] and c["ended"] == [True, False]
     assert c["overrides_per_row"] == [0.0, 0.5]
     assert not compare_runs(ref, ref, N_VQ, PAD)["runaway"]

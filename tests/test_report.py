@@ -248,6 +248,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(root, tmp_path, capsys):
     for f in art.glob("tiny/*.png"):
         f.unlink()
     (art / "tiny" / REPORT).unlink()
+    shutil.rmtree(art / "tiny" / "wavs")  # the earlier report's listening folder
     bad = next((art / "tiny" / "rtn4").glob("v1-*")) / "manifest.json"
     m = json.loads(bad.read_text())
     del m["bits_per_weight"]

@@ -98,7 +98,7 @@ def test_per_model_overrides_and_plan_command():
     out = subprocess.run([sys.executable, "-m", "pipelines", "plan", "rtn4", "--model", "tiny"],
                          capture_output=True, text=True, check=True).stdout
     plan = yaml.safe_load(out)
-    assert list(plan["stages"]) == ["quantize", "evaluate", "gate", "export"]
+    assert list(plan["stages"]) == ["quantize", "evaluate", "freerun", "gate", "export"]
     assert plan["stages"]["quantize"] == {"method": "rtn", "device": "auto", "bits": 4, "group_size": 128,
                                           "sym": False}
 
