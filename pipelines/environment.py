@@ -75,6 +75,17 @@ def gpu_identity(device: str) -> dict | None:
             "cudnn": str(torch.backends.cudnn.version())}
 
 
+def portable_cpu_attention() -> None:
+    """torch's CPU flash attention packs bfloat16 for AVX512-BF16/AMX whenever the hardware has them,
+    and the packing then refuses a kernel forced lower (ATEN_CPU_CAPABILITY=default or avx2 on such a
+    CPU: "pack_vnni2 is only supported when avx512 is supported", torch 2.13). There, attention takes
+    torch's math path instead (recorded in the fingerprint as flash_sdp: false)."""
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        torch.backends.cuda.enable_flash_sdp(False)  # the flag SDPA's backend choice reads on CPU too
+
+
 def determinism_settings() -> dict:
     """Process-wide settings in force (a method that changes them for its own run records that in
     its method_details)."""
@@ -89,6 +100,7 @@ def determinism_settings() -> dict:
         "cudnn_tf32": torch.backends.cudnn.allow_tf32,
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
         "torch_compile": False,  # no stage compiles; auto-round is called with enable_torch_compile=False
     }
 

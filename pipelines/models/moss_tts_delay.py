@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config, Qwen3Model
 
+from ..environment import portable_cpu_attention
 from ..errors import PipelineError
 from .definition import Component, Definition
 
@@ -114,6 +115,7 @@ class MossTTSDelayConfig:
         lc["tie_word_embeddings"] = False
         cfg = Qwen3Config(**lc)
         cfg._attn_implementation = "sdpa"
+        portable_cpu_attention()
         return cfg
 
     @property
