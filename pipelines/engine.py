@@ -15,6 +15,11 @@ on the fp stream, capturing the inputs of the Linears the hook asks for (statist
 pass), then calls `hook.on_block(step)`. The hook searches, tunes or measures the block, may
 change it in place, and returns the block's output on the quant stream when it has one.
 
+`output_fisher` runs the other way: forward over every block keeping each block's input on the
+host, then one block at a time backwards (the block recomputed with gradients: activation
+checkpointing at block granularity), giving per block the mean squared gradient of a loss on the
+model's outputs with respect to the block's output.
+
 Given a `resume` folder (the quantize stage's), the engine checkpoints each finished block there
 and a re-run continues at the first unfinished one (pipelines/resume.py); the hook then also
 implements `block_state(i)` and `restore_block(i, tensors, meta)`.
@@ -128,6 +133,33 @@ class Engine:
             for h in hooks:
                 h.remove()
         return torch.cat(outs)
+
+    def output_fisher(self, ids: torch.Tensor, output_grad: Callable[[torch.Tensor, slice], torch.Tensor]) -> list[torch.Tensor]:
+        """Per block i, [H] float64: mean over tokens of (d loss / d output of block i)^2, the
+        diagonal Fisher there when the loss is a log-likelihood of labels sampled from the model.
+        `output_grad(final_hidden, rows)` returns d loss / d final hidden for the sequences `rows`."""
+        host, n, bs = "cpu", self.cfg.num_layers, self.batch_size
+        x = embed(self.cfg, self.get, ids, self.dtype, self.device).to(host)
+        pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
+        inputs = []
+        for i in progress(range(n), desc=f"{self.desc} (forward)", unit="block"):
+            inputs.append(x)
+            x = self.forward(load_block(self.cfg, i, self.get, self.dtype, self.device), x, pos)
+        batches = [slice(s, s + bs) for s in range(0, x.shape[0], bs)]
+        grad = torch.cat([output_grad(x[b].to(self.device), b).to(host, self.dtype) for b in batches])
+        tokens, out = grad.shape[0] * grad.shape[1], [None] * n
+        for i in progress(reversed(range(n)), desc=f"{self.desc} (backward)", unit="block", total=n):
+            g = grad.reshape(-1, grad.shape[-1]).double()
+            out[i] = (g * g).sum(0) / tokens
+            layer, back = load_block(self.cfg, i, self.get, self.dtype, self.device), []
+            for b in batches:
+                h = inputs[i][b].to(self.device).requires_grad_()
+                with torch.enable_grad():
+                    o = layer(h, attention_mask=None, position_embeddings=pos, position_ids=None)
+                    (o[0] if isinstance(o, tuple) else o).backward(grad[b].to(self.device))
+                back.append(h.grad.to(host))
+            grad, inputs[i] = torch.cat(back), None
+        return out
 
     def run(self, hook: BlockHook, ids: torch.Tensor, quant_get: Getter | None = None,
             resume: Path | None = None) -> None:

@@ -19,14 +19,15 @@ from quantizers.rtn import RTNConfig, fake_quantize
 
 from .calibration import build
 from .engine import FP, QUANT, Engine, final_norm, load_block
-from .models.moss_tts_delay import SPECIAL_IDS, MossTTSDelayConfig
+from .models.moss_tts_delay import MossTTSDelayConfig, audio_positions
 
 BASELINES = ("rtn",)
 
 
 @dataclass
 class EvaluateParams:
-    dataset: str = "moss-heldout-v1"
+    dataset: str = "moss-heldout-v1"  # the set the gate reads
+    sets: list[str] = field(default_factory=list)  # more held-out sets scored the same way, reported each alone
     nsamples: int = 8
     seqlen: int = 256
     batch_size: int = 4
@@ -44,6 +45,9 @@ class EvaluateParams:
             raise ValueError(f"baseline: {self.baseline!r} (allowed: {', '.join(BASELINES)} or null)")
         for entry in self.scorers:
             check_entry(entry)
+        for name in self.sets:
+            if name == self.dataset or self.sets.count(name) > 1:
+                raise ValueError(f"sets: {name!r} is scored twice (dataset: {self.dataset!r})")
 
 
 def _kl_top1(ref: torch.Tensor, q: torch.Tensor, mask: torch.Tensor):
@@ -54,13 +58,6 @@ def _kl_top1(ref: torch.Tensor, q: torch.Tensor, mask: torch.Tensor):
     agree = (ref.argmax(-1) == q.argmax(-1)).float()
     m = mask.float()
     return (kl * m).sum().item(), (agree * m).sum().item(), m.sum().item()
-
-
-def audio_positions(config: dict, ids: torch.Tensor) -> torch.Tensor:
-    """(N, S) bool: where the text channel holds an audio gen/delay slot (audio heads are scored there)."""
-    slots = [config.get(k, SPECIAL_IDS[k]) for k in
-             ("audio_assistant_gen_slot_token_id", "audio_assistant_delay_slot_token_id")]
-    return torch.isin(ids[..., 0], torch.tensor(slots))
 
 
 class _SideBySide:
@@ -149,6 +146,12 @@ def run(ctx, params: EvaluateParams, out: Path) -> dict:
                    "config": config, "codec_model": ctx.spec.codec}
         metrics.update(run_scorers(scorers, tokens.reference, tokens.candidate, context))
     result = {"dataset": {"name": held.name, "sha256": held.sha256}, "metrics": metrics}
+    if params.sets:
+        result["sets"] = {}
+        for name in params.sets:
+            other = build(name, config, params.nsamples, params.seqlen, ctx.snapshot)
+            result["sets"][name] = {"sha256": other.sha256, "metrics": compare(
+                config, ckpt.get, view, other.ids, device=device, batch_size=params.batch_size)}
     if params.baseline == "rtn":
         meta = json.loads((ctx.dirs["quantize"] / META).read_text())  # the layout only: tensors are in `view`
         result["baseline"] = {

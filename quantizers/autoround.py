@@ -72,8 +72,10 @@ class _OneBlock(nn.Module):
         return self.model.layers[0](*args, **kwargs)
 
 
-def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfig, seed: int, device: str):
-    """auto-round for one decoder layer, fed by the caller (never a dataset of its own)."""
+def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfig, seed: int, device: str,
+               grids: dict[str, tuple[int, int]] | None = None):
+    """auto-round for one decoder layer, fed by the caller (never a dataset of its own); `grids`
+    gives Linears (by name in the block) their own (bits, group_size), auto-round's layer_config."""
     from auto_round import AutoRound
     from auto_round.algorithms.quantization.sign_round.config import SignRoundConfig
 
@@ -85,16 +87,20 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
         batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device, enable_torch_compile=False,
         enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
         low_gpu_mem_usage=cfg.low_gpu_mem_usage and str(device).startswith("cuda"), to_quant_block_names="model.layers",
+        layer_config={f"model.layers.0.{name}": {"bits": b, "group_size": g}
+                      for name, (b, g) in (grids or {}).items() if (b, g) != (cfg.bits, cfg.group_size)} or None,
     )
 
 
 def tune_block(layer: nn.Module, fp_in: torch.Tensor, quant_in: torch.Tensor | None, position_embeddings,
-               cfg: AutoRoundConfig, seed: int, device: str) -> tuple[torch.Tensor, dict[str, IntWeight]]:
+               cfg: AutoRoundConfig, seed: int, device: str,
+               grids: dict[str, tuple[int, int]] | None = None) -> tuple[torch.Tensor, dict[str, IntWeight]]:
     """SignRound on one block through auto-round's block-level API (`quantize_block`, the entry
     llm-compressor's AutoRoundModifier uses): the reference is the source block on the fp
     stream `fp_in` (N, S, H), the tuned block reads the quantized stream `quant_in` (None for
     block 0: the two streams start equal). Returns the tuned block's output on the quantized
-    stream and its Linears' integers, by name within the block."""
+    stream and its Linears' integers, by name within the block (`grids`: per-Linear (bits,
+    group_size) other than the config's)."""
     n, s = fp_in.shape[:2]
     if s != cfg.seqlen:
         raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {s}")
@@ -104,7 +110,7 @@ def tune_block(layer: nn.Module, fp_in: torch.Tensor, quant_in: torch.Tensor | N
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
-        ar = compressor(layer, n, s, cfg, seed, device)
+        ar = compressor(layer, n, s, cfg, seed, device, grids)
         with torch.enable_grad():
             q_out, _ = ar.quantize_block(layer, inputs, q_input=q_input, device=device, auto_offload=False)
     finally:

@@ -1,25 +1,34 @@
-"""Measured per-tensor sensitivity and a bit allocation that is a pure function of it.
+"""Mixed precision from measured damage: the score, and an allocation under a bit budget.
 
-Score: the relative output error of one Linear quantized alone (RTN, group-wise) on the
-calibration activations X, ||X (W_q - W)^T||^2 / ||X W^T||^2, computed exactly from the
-input Gram matrix H = X^T X as tr(dW H dW^T) / tr(W H W^T).
+Score (per decoder Linear and candidate width): the damage the tuned quantizer does when that
+Linear alone is quantized at that width, on the block's real inputs, weighted by how much the
+model's output cares about each channel of the block's output:
 
-Allocation: every tensor starts at the base width; upgrades to a protect width are taken
-greedily by score reduction per extra stored bit, a fused group (q/k/v, gate/up) as one unit.
-The upgrade order does not depend on the budget and the allocation is its longest prefix that
-fits, so more budget always protects a superset (and never lowers a width).
+    score = mean over tokens of  sum_c F[c] * delta[t, c]^2,
+
+delta = block output with the Linear tuned at the width minus the source block's output, and F the
+diagonal Fisher of the model's output distributions at that block's output (mean squared gradient
+of log-likelihoods of labels sampled from the model). To second order, half the score is the KL the
+Linear's quantization adds to the model's outputs, so scores of different blocks add up.
+
+Allocation: one width per unit (a fused group that must share one width, or a Linear alone), the
+least total score within a budget of stored bits: a multiple-choice knapsack, solved exactly (its
+costs are whole cells; see `allocate`). A Lagrangian walk along each unit's convex hull, as
+llama.cpp's target-bpw does, stops up to one unit's step short of the budget, which on a model of
+28 Linears is a tenth of a bit.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from .autoround import AutoRoundConfig
 from .errors import QuantizerError
 from .formats import gptq
-from .rtn import SUPPORTED_BITS, RTNConfig, fake_quantize
-
-KEEP_BF16 = 16  # a protect width of 16 means: store the source BF16 weight as is
+from .rtn import SUPPORTED_BITS
 
 
 def sig(x: float, digits: int = 6) -> float:
@@ -28,74 +37,69 @@ def sig(x: float, digits: int = 6) -> float:
 
 
 def bits_per_weight(bits: int, group_size: int) -> float:
-    """Stored bits per weight of one GPTQ-packed Linear, as the format counts them (one group of
-    one row); 16 for a BF16 weight."""
-    return 16.0 if bits == KEEP_BF16 else gptq.stored_bits(1, group_size, bits, group_size) / group_size
+    """Stored bits per weight of one GPTQ-packed Linear, as the format counts them (one group of one row)."""
+    return gptq.stored_bits(1, group_size, bits, group_size) / group_size
 
 
-@dataclass
-class SensitivityConfig:
-    base_bits: int = 3  # the nominal width: every tensor not protected
-    protect_bits: list[int] = field(default_factory=lambda: [4, 8, 16])  # widths a protected tensor may get
-    target_bpw: float | None = None  # stored bits per backbone-Linear weight to reach, scales/zeros included
-    protect_budget: float | None = None  # or: extra bits per backbone-Linear weight spent on protection
-
-    def validate(self):
-        if self.base_bits not in (2, 3):
-            raise ValueError(f"base_bits: must be 2 or 3, got {self.base_bits}")
-        for b in self.protect_bits:
-            if b not in SUPPORTED_BITS + (KEEP_BF16,):
-                raise ValueError(f"protect_bits: unknown width {b} (allowed: {list(SUPPORTED_BITS) + [KEEP_BF16]})")
-            if b <= self.base_bits:
-                raise ValueError(f"protect_bits: width {b} is not above base_bits={self.base_bits}")
-        if not self.protect_bits:
-            raise ValueError("protect_bits: needs at least one width above base_bits")
-        if (self.target_bpw is None) == (self.protect_budget is None):
-            raise ValueError("target_bpw: give exactly one of target_bpw and protect_budget")
-        if self.protect_budget is not None and self.protect_budget < 0:
-            raise ValueError(f"protect_budget: must be >= 0, got {self.protect_budget}")
-
-    def budget(self, group_size: int) -> float:
-        """Extra bits per backbone-Linear weight above all-base storage; refuses unreachable targets."""
-        lo = bits_per_weight(self.base_bits, group_size)
-        hi = bits_per_weight(max(self.protect_bits), group_size)
-        extra = self.protect_budget if self.target_bpw is None else self.target_bpw - lo
-        what = (f"target_bpw={self.target_bpw}" if self.target_bpw is not None
-                else f"protect_budget={self.protect_budget} (-> {lo + extra:.4f} bpw)")
-        if extra < 0:
-            raise QuantizerError(f"{what} is below {lo:.4f}, the storage of base_bits={self.base_bits} "
-                                 f"at group_size={group_size} (nothing protected)")
-        if lo + extra > hi:
-            raise QuantizerError(f"{what} is above {hi:.4f}, what protect_bits={self.protect_bits} allow "
-                                 f"(every tensor at {max(self.protect_bits)} bits)")
-        return extra
+Grid = tuple[int, int]  # (bits, group_size): one candidate storage of a Linear
 
 
-def gram(x: torch.Tensor) -> torch.Tensor:
-    """X^T X over every token of a batch (float64: exact enough to be reproducible)."""
-    x = x.reshape(-1, x.shape[-1]).double()
-    return x.t() @ x
+def grid_name(grid: Grid) -> str:
+    return f"{grid[0]}g{grid[1]}"
 
 
-def output_errors(weight: torch.Tensor, h: torch.Tensor, widths, group_size: int, sym: bool) -> dict[int, float]:
-    """{bits: ||X (W_q - W)^T||^2 / ||X W^T||^2} for W quantized alone by RTN at each width, via H = X^T X."""
-    w = weight.float()
-    wd = w.double()
-    ref = ((wd @ h) * wd).sum().clamp(min=1e-30)
-    out = {}
-    for bits in widths:
-        dw = (fake_quantize(w, RTNConfig(bits, group_size, sym)) - w).double()
-        out[bits] = float(((dw @ h) * dw).sum() / ref)
-    return out
+def parse_grids(grids, where: str = "grids") -> list[Grid]:
+    """[[bits, group_size], ...] from YAML -> sorted, checked grids the GPTQ packing stores."""
+    out = []
+    for item in grids:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(v, int) for v in item)):
+            raise ValueError(f"{where}: each entry is [bits, group_size], got {item!r}")
+        b, g = item
+        if b not in SUPPORTED_BITS:
+            raise ValueError(f"{where}: unknown width {b} (allowed: {list(SUPPORTED_BITS)})")
+        if g not in gptq.GROUP_SIZES:
+            raise ValueError(f"{where}: group_size {g} is not one the GPTQ packing stores (allowed: {list(gptq.GROUP_SIZES)})")
+        out.append((b, g))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{where}: a grid is listed twice")
+    return sorted(out, key=lambda grid: (bits_per_weight(*grid), grid))
 
 
 @dataclass(frozen=True)
-class Upgrade:
-    tensors: tuple[str, ...]  # one tensor, or a fused group that must share one width
-    from_bits: int
-    to_bits: int
-    gain_per_bit: float  # score reduction per extra stored bit (rounded)
-    extra_bits: float
+class SensitivityConfig(AutoRoundConfig):
+    """auto-round's tuning (the inherited fields; bits/group_size are the nominal grid, the format's
+    global one) at per-Linear grids chosen from `grids` to reach `target_bpw`."""
+
+    grids: list[list[int]] = field(default_factory=lambda: [[2, 128], [3, 128], [4, 128], [8, 128]])
+    target_bpw: float = 3.1485  # stored bits per backbone-Linear weight, scales and zeros included
+
+    def validate(self):
+        super().validate()
+        if self.bits not in (2, 3):
+            raise ValueError(f"bits: the nominal width must be 2 or 3, got {self.bits}")
+        if not self.sym:
+            raise ValueError("sym: mixed widths are stored symmetric (auto-round has no CPU kernel for asymmetric 3-bit)")
+        grids = parse_grids(self.grids)
+        if len(grids) < 2:
+            raise ValueError(f"grids: needs at least two grids to allocate among, got {self.grids}")
+        lo, hi = bits_per_weight(*grids[0]), bits_per_weight(*grids[-1])
+        if not lo <= self.target_bpw <= hi:
+            raise ValueError(f"target_bpw: {self.target_bpw} cannot be reached with these grids: every Linear at "
+                             f"{grid_name(grids[0])} stores {lo:.4f}, every Linear at {grid_name(grids[-1])} {hi:.4f}")
+
+    def candidates(self) -> list[Grid]:
+        return parse_grids(self.grids)
+
+    def tuning(self, grid: Grid | None = None) -> AutoRoundConfig:
+        """auto-round's config for a block tuned uniformly at `grid` (default: the nominal grid)."""
+        fields = {k: getattr(self, k) for k in AutoRoundConfig.__dataclass_fields__}
+        return AutoRoundConfig(**(fields | ({"bits": grid[0], "group_size": grid[1]} if grid else {})))
+
+
+def weighted_error(delta: torch.Tensor, fisher: torch.Tensor) -> float:
+    """Mean over tokens of sum_c F[c] delta[t, c]^2 (float64)."""
+    d = delta.reshape(-1, delta.shape[-1]).double()
+    return float((d * d).sum(0) @ fisher.to(d.device) / d.shape[0])
 
 
 def units(names, groups=()) -> list[tuple[str, ...]]:
@@ -113,58 +117,71 @@ def units(names, groups=()) -> list[tuple[str, ...]]:
     return sorted(out + [(n,) for n in names - seen])
 
 
-def upgrade_order(scores: dict[str, dict[int, float]], numel: dict[str, int], base_bits: int,
-                  protect_bits: list[int], group_size: int, groups=()) -> list[Upgrade]:
-    """The full greedy sequence of upgrades, independent of any budget.
+@dataclass(frozen=True)
+class Allocation:
+    grids: dict[str, Grid]  # tensor -> its grid
+    damage: float  # the sum of the chosen grids' measured scores (the knapsack's objective)
+    stored_bits: int  # what the chosen grids store, scales and zeros included
+    options: dict[tuple[str, ...], dict[Grid, tuple[int, float]]]  # unit -> grid -> (stored bits, damage)
 
-    scores[name][bits] is the measured damage at each width (KEEP_BF16 scores 0); a fused group's
-    damage is the sum of its members' and its cost their total. Ties break on the unit's names, then
-    width, so the order is a pure function of its inputs.
-    """
-    widths = sorted(set(protect_bits))
+
+MAX_CELLS = 1 << 20  # the knapsack's budget resolution: finer costs are rounded up to this many cells
+
+
+def allocate(scores: dict[str, dict[Grid, float]], shapes: dict[str, tuple[int, int]], grids: list[Grid],
+             target_bpw: float, groups=()) -> Allocation:
+    """The least total damage at most `target_bpw` stored bits per weight can buy: one grid per unit
+    (fused groups share one), solved as a multiple-choice knapsack by dynamic programming.
+
+    Costs are the format's exact stored bits; above each unit's cheapest grid they are counted in cells
+    of their greatest common divisor (rounded up to whole cells only if that would need more than
+    MAX_CELLS, so the result never exceeds the target). Units go in name order and ties keep the
+    cheaper grid, so the result is a pure function of the scores; more budget never raises the damage."""
     for name, s in scores.items():
-        missing = [b for b in [base_bits, *widths] if b != KEEP_BF16 and b not in s]
+        missing = [g for g in grids if g not in s]
         if missing:
-            raise QuantizerError(f"{name}: no measured score at {missing[0]} bits (measured: {sorted(s)})")
-    score = lambda unit, b: 0.0 if b == KEEP_BF16 else sum(scores[n][b] for n in unit)
-    size = {u: sum(numel[n] for n in u) for u in units(scores, groups)}
-    cost = {b: bits_per_weight(b, group_size) for b in [base_bits, *widths]}
-    current = {u: base_bits for u in size}
-    order = []
-    while True:
-        best = None
-        for unit in sorted(current):
-            cur = current[unit]
-            for b in widths:
-                if b <= cur:
-                    continue
-                extra = size[unit] * (cost[b] - cost[cur])
-                gain = sig((score(unit, cur) - score(unit, b)) / extra)
-                key = (-gain, unit, b)
-                if best is None or key < best[0]:
-                    best = (key, Upgrade(unit, cur, b, gain, extra))
-        if best is None:
-            return order
-        order.append(best[1])
-        current[best[1].tensors] = best[1].to_bits
+            raise QuantizerError(f"{name}: no measured score at {grid_name(missing[0])} (measured: "
+                                 f"{', '.join(grid_name(g) for g in sorted(s))})")
+    unit_list = units(scores, groups)
+    options = {}
+    for u in unit_list:
+        for n in u:
+            for b, g in grids:
+                if shapes[n][1] % g:
+                    raise QuantizerError(f"{n}: input width {shapes[n][1]} is not a multiple of group_size {g}")
+        options[u] = {grid: (sum(gptq.stored_bits(*shapes[n], *grid) for n in u), sum(scores[n][grid] for n in u))
+                      for grid in grids}
+    total = sum(o * i for o, i in shapes.values())
+    base = {u: min(c for c, _ in opts.values()) for u, opts in options.items()}
+    extra = {u: {grid: c - base[u] for grid, (c, _) in opts.items()} for u, opts in options.items()}
+    slack = target_bpw * total - sum(base.values())
+    if slack < -1e-6 * total:
+        raise QuantizerError(f"target_bpw {target_bpw} is below {sum(base.values()) / total:.4f}, every Linear at "
+                             f"its cheapest grid")
+    cell = math.gcd(*(e for ex in extra.values() for e in ex.values())) or 1
+    cell = max(cell, math.ceil(max(slack, 0) / MAX_CELLS))
+    budget = max(0, math.floor(slack / cell + 1e-9))
+    best = np.full(budget + 1, np.inf)
+    best[0] = 0.0  # least damage with exactly c cells spent (units so far)
+    picks = []
+    for u in unit_list:
+        order = sorted(options[u], key=lambda grid: (extra[u][grid], grid))  # cheaper first: ties keep it
+        table = np.full((len(order), budget + 1), np.inf)
+        for k, grid in enumerate(order):
+            c = -(-extra[u][grid] // cell)
+            if c <= budget:
+                table[k, c:] = best[:budget + 1 - c] + options[u][grid][1]
+        pick = table.argmin(0)
+        best = table[pick, np.arange(budget + 1)]
+        picks.append((order, pick))
+    c = int(np.argmin(best))  # least damage, then fewest cells
+    out = {}
+    for u, (order, pick) in zip(reversed(unit_list), reversed(picks)):
+        grid = order[pick[c]]
+        out.update(dict.fromkeys(u, grid))
+        c -= -(-extra[u][grid] // cell)
+    chosen = {u: out[u[0]] for u in unit_list}
+    return Allocation(out, sum(options[u][g][1] for u, g in chosen.items()),
+                      sum(options[u][g][0] for u, g in chosen.items()), options)
 
 
-def allocate(scores: dict[str, dict[int, float]], numel: dict[str, int], cfg: SensitivityConfig,
-             group_size: int, groups=()) -> tuple[dict[str, int], list[Upgrade]]:
-    """Widths per tensor under the config's budget (fused groups at one width), and the upgrades taken."""
-    budget = cfg.budget(group_size) * sum(numel.values())
-    taken, spent = [], 0.0
-    for up in upgrade_order(scores, numel, cfg.base_bits, cfg.protect_bits, group_size, groups):
-        if spent + up.extra_bits > budget + 1e-6:
-            break  # a prefix, never a skip: keeps protection monotone in the budget
-        taken.append(up)
-        spent += up.extra_bits
-    widths = {name: cfg.base_bits for name in scores}
-    for up in taken:
-        widths.update(dict.fromkeys(up.tensors, up.to_bits))
-    return widths, taken
-
-
-def estimated_bpw(widths: dict[str, int], numel: dict[str, int], group_size: int) -> float:
-    total = sum(numel.values())
-    return sum(numel[n] * bits_per_weight(b, group_size) for n, b in widths.items()) / total

@@ -13,7 +13,8 @@ from pipelines.calibration import build as build_set
 from pipelines.checkpoint import Checkpoint
 from pipelines.api import build
 from pipelines.errors import PipelineError
-from pipelines.evaluate import EvaluateParams, _kl_top1, audio_positions, compare
+from pipelines.evaluate import EvaluateParams, _kl_top1, compare
+from pipelines.models.moss_tts_delay import audio_positions
 from pipelines.fixtures import write_fixture
 from pipelines.profile import build_params
 from pipelines.scorers import ExactMatch, load_scorers, run_scorers

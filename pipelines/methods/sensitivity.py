@@ -1,57 +1,75 @@
-"""Sensitivity profiles (sens-q2, sens-q3): measure, allocate, quantize at mixed widths.
+"""Sensitivity profiles (sens-q2, sens-q3): measure with the tuned quantizer, allocate, tune at mixed widths.
 
-`measure` (a stage of its own, so a changed budget reuses the cached scores): every decoder
-Linear is quantized alone at each candidate width and scored on the calibration activations
-of the BF16 stream (quantizers.sensitivity.output_errors), one block resident at a time. The
-scores go to a versioned, canonical `measurement.json`, or a measurement file named in the
-profile is reused after checking it was taken on this source and calibration set.
+`measure` (a stage of its own, so a changed budget reuses the cached scores):
+  1. the Fisher pass (engine.output_fisher): the diagonal Fisher of the model's output
+     distributions at every block's output, from labels sampled from the source model itself
+     (text head everywhere, the audio heads' mean where audio is spoken: the gate's kl_text and
+     kl_audio_mean);
+  2. the measure pass (engine.run, fp and quant streams): per block, auto-round tunes a copy of the
+     block at every candidate grid (bits, group size; the same block-level call the quantize stage
+     makes, on the block's real inputs: the quantized stream); each Linear's tuned weights at each
+     grid are put alone into the source block, and its score is the Fisher-weighted error of the
+     block's output (quantizers.sensitivity). The block tuned at `stream_grid` feeds the next block.
+The scores go to a versioned, canonical `measurement.json`, or a measurement file named in the
+profile is reused after checking it was taken on this source, calibration set and quantizer.
 
-`quantize` (method `sensitivity`): allocates widths from the scores and stores every Linear
-GPTQ-packed at its width (BF16 if protected at 16) in auto-round's mixed-bit format:
-the base width globally, the others per layer in `extra_config`.
+`quantize` (method `sensitivity`): allocates grids from the scores under `target_bpw` (fused groups
+at one grid) and tunes every block with auto-round at those per-Linear grids, in auto-round's
+mixed-bit format: the nominal grid globally, the others per layer in `extra_config`.
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from quantizers.autoround import AutoRoundConfig, block_seed, tune_block, tuning_record
 from quantizers.errors import QuantizerError
-from quantizers.formats import gptq, pack
-from quantizers.rtn import SUPPORTED_BITS, RTNConfig, quantize_rtn
-from quantizers.sensitivity import (KEEP_BF16, SensitivityConfig, allocate, bits_per_weight, estimated_bpw, gram,
-                                    output_errors, sig)
+from quantizers.formats import gptq
+from quantizers.sensitivity import (Grid, SensitivityConfig, allocate, bits_per_weight, grid_name, parse_grids, sig,
+                                    weighted_error)
 
 from ..checkpoint import canonical_json, sha256_file
-from ..engine import FP, Engine
+from ..engine import FP, QUANT, Engine, final_norm
 from ..errors import PipelineError
-from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, DEFINITION, MossTTSDelayConfig, block_linear_names
-from ..progress import progress
+from ..models.moss_tts_delay import (BLOCK_LINEARS, BLOCK_PREFIX, DEFINITION, MossTTSDelayConfig, audio_positions,
+                                     block_linear_names)
+from ..portable_random import uniform
 from ..source import ROOT, pins_digest
+from .autoround import AutoRoundHook, calibration_ids
 from .weights import Weights
 
 MEASUREMENT = "measurement.json"
-SCHEMA = "moss-quant/measurement/v1"
-METRIC = "relative output error ||X(W_q-W)^T||^2 / ||XW^T||^2, W_q = RTN of this Linear alone, X = its calibration inputs"
+SCHEMA = "moss-quant/measurement/v2"
+METRIC = ("mean over tokens of sum_c F[c] (B_q(x) - B(x))[c]^2: B the source block, B_q the same block with this "
+          "Linear alone tuned by auto-round at the width, x the block's inputs on the quantized stream, F the "
+          "diagonal Fisher of the model's output distributions at the block's output (half the score ~ the KL added)")
 
 
 @dataclass
 class MeasureParams:
-    candidate_bits: list[int] = field(default_factory=lambda: [2, 3, 4, 8])
-    group_size: int = 128
-    sym: bool = False
+    # [bits, group_size] grids, each tuned by auto-round on every block and scored
+    grids: list[list[int]] = field(default_factory=lambda: [[2, 128], [3, 128], [4, 128], [8, 128]])
+    stream_grid: list[int] = field(default_factory=lambda: [3, 128])  # whose tuned blocks feed the next block
+    # auto-round's tuning for the measurement (a lighter setting than the final quantize may use)
+    iters: int = 200
+    nsamples: int = 128
+    seqlen: int = 2048
     batch_size: int = 8
+    lr: float | None = None
     measurement: str | None = None  # reuse this file (path relative to the repo root) instead of measuring
     measurement_sha256: str | None = None  # the file's sha256: filled in when omitted, checked when given
 
     def validate(self):
-        for b in self.candidate_bits:
-            if b not in SUPPORTED_BITS:
-                raise ValueError(f"candidate_bits: unknown width {b} (allowed: {list(SUPPORTED_BITS)})")
-        if self.group_size < 32 or self.group_size % 32:
-            raise ValueError(f"group_size: must be a positive multiple of 32, got {self.group_size}")
+        grids = parse_grids(self.grids)
+        (stream,) = parse_grids([self.stream_grid], "stream_grid")
+        if stream not in grids:
+            raise ValueError(f"stream_grid: {self.stream_grid} is not one of the measured grids {self.grids}")
+        self.tuning(stream).validate()
         if self.measurement is not None:
             path = self.path()
             if not path.is_file():
@@ -64,46 +82,111 @@ class MeasureParams:
         elif self.measurement_sha256 is not None:
             raise ValueError("measurement_sha256: given without a measurement file")
 
+    def tuning(self, grid: Grid) -> AutoRoundConfig:
+        return AutoRoundConfig(bits=grid[0], group_size=grid[1], sym=True, iters=self.iters, nsamples=self.nsamples,
+                               seqlen=self.seqlen, batch_size=self.batch_size, lr=self.lr)
+
+    def quantizer(self) -> dict:
+        """What the scores depend on besides the data: a measurement offered for reuse must match it."""
+        rec = tuning_record(self.tuning(tuple(self.stream_grid)))
+        return {"method": "auto-round", "sym": True, "stream_grid": grid_name(tuple(self.stream_grid)),
+                **{k: rec[k] for k in ("iters", "nsamples", "seqlen", "batch_size", "lr")}}
+
     def path(self) -> Path:
         p = Path(self.measurement)
         return p if p.is_absolute() else ROOT / p
 
 
+def sampled_loglik_grad(cfg: MossTTSDelayConfig, config: dict, get, ids: torch.Tensor, device: str, dtype):
+    """d/d(final hidden) of the log-likelihood of labels sampled from the model's own outputs (inverse
+    CDF of portable uniforms: the same labels on every machine): the text head at every position plus
+    the mean of the audio heads where audio is spoken. Heads are read once; one sequence at a time."""
+    audio = audio_positions(config, ids).to(device)
+    heads = [get(f"lm_heads.{k}.weight").to(device, dtype) for k in range(cfg.n_vq + 1)]
+    draws = uniform("sensitivity/fisher-labels", (cfg.n_vq + 1, *ids.shape[:2]), device=device).double()
+
+    def grad(hidden: torch.Tensor, rows: slice) -> torch.Tensor:
+        out = []
+        for j in range(hidden.shape[0]):
+            h = hidden[j:j + 1].detach().requires_grad_()
+            r = rows.start + j
+            with torch.enable_grad():
+                hn = final_norm(cfg, get, h)
+                loss = 0.0
+                for k, w in enumerate(heads):
+                    logits = (hn @ w.t()).float()
+                    if k:
+                        logits[..., cfg.audio_pad_code] = float("-inf")
+                    logp = logits.log_softmax(-1)
+                    cdf = logp.detach().double().exp().cumsum(-1)
+                    y = torch.searchsorted(cdf, (draws[k, r] * cdf[0, :, -1])[None, :, None]).clamp(max=cdf.shape[-1] - 1)
+                    ll = logp.gather(-1, y)[..., 0]
+                    loss = loss + (ll.sum() if k == 0 else (ll * audio[r]).sum())
+                loss.backward()
+            out.append(h.grad)
+        return torch.cat(out)
+
+    return grad
+
+
 class MeasureHook:
-    """Per block: the input Gram matrix of every Linear on the fp stream (accumulated per batch,
-    float64), then each Linear's damage at every candidate width."""
+    """Per block: auto-round at every width on a copy of the block, then every Linear's tuned weights
+    alone in the source block, scored on the block output with the Fisher weights."""
 
-    streams, capture, observed = (FP,), (), BLOCK_LINEARS
+    streams, capture = (FP, QUANT), ()
 
-    def __init__(self, ckpt, params: MeasureParams, device: str):
-        self.ckpt, self.params, self.device = ckpt, params, device
-        self.grams, self.tensors = {}, {}
+    def __init__(self, params: MeasureParams, fisher: list[torch.Tensor], seed: int, device: str):
+        self.params, self.fisher, self.seed, self.device = params, fisher, seed, device
+        self.tensors = {}
 
-    def observe(self, name: str, x: torch.Tensor) -> None:
-        g = gram(x)
-        self.grams[name] = g if name not in self.grams else self.grams[name] + g
+    def on_block(self, step):
+        p, i = self.params, step.index
+        q_in = step.quant_in
+        ref = step.run(step.layer, q_in)  # the source block on its real inputs
+        tuned, stream = {}, None
+        for grid in parse_grids(p.grids):
+            out, tuned[grid] = self._tune(copy.deepcopy(step.layer), step, grid)
+            if grid == tuple(p.stream_grid):
+                stream = out
+        for m in BLOCK_LINEARS:  # each Linear's tuned weights alone in the source block
+            mod = step.layer.get_submodule(m)
+            source, scores = mod.weight, {}
+            for grid, ints in tuned.items():
+                mod.weight = nn.Parameter(ints[m].dequantize(source.dtype).to(source.device), requires_grad=False)
+                out = step.run(step.layer, q_in)
+                scores[grid_name(grid)] = sig(weighted_error(out.float() - ref.float(), self.fisher[i]))
+            mod.weight = source
+            self.tensors[f"{BLOCK_PREFIX}.{i}.{m}"] = {"shape": list(source.shape), "scores": scores}
+        return stream
 
-    def on_block(self, step) -> None:
-        p = self.params
-        for m in BLOCK_LINEARS:
-            name = f"{BLOCK_PREFIX}.{step.index}.{m}"
-            w = self.ckpt.get(name + ".weight").to(self.device)
-            try:
-                errs = output_errors(w, self.grams[m], sorted(p.candidate_bits), p.group_size, p.sym)
-            except QuantizerError as e:
-                raise PipelineError(str(e)) from None
-            self.tensors[name] = {"shape": list(w.shape), "scores": {str(b): sig(e) for b, e in errs.items()}}
-        self.grams = {}
+    def _tune(self, layer, step, grid: Grid):
+        try:
+            return tune_block(layer, step.fp_in, None if step.index == 0 else step.quant_in, step.position_embeddings,
+                              self.params.tuning(grid), block_seed(self.seed, step.index), self.device)
+        except QuantizerError as e:
+            raise PipelineError(str(e)) from None
+
+    def block_state(self, i: int):
+        pre = f"{BLOCK_PREFIX}.{i}."
+        return {}, {"tensors": {n: t for n, t in self.tensors.items() if n.startswith(pre)}}
+
+    def restore_block(self, i: int, tensors, meta) -> None:
+        self.tensors.update(meta["tensors"])
 
 
-def _measure(ctx, params: MeasureParams, device: str) -> dict:
-    from ..calibration import load_ids
-
+def _measure(ctx, params: MeasureParams, device: str) -> tuple[dict, dict]:
     ckpt = ctx.checkpoint()
-    hook = MeasureHook(ckpt, params, device)
-    Engine(MossTTSDelayConfig.from_dict(ckpt.config()), ckpt.get, device, torch.bfloat16, params.batch_size,
-           desc="measure").run(hook, load_ids(ctx.dirs["calibrate"]))
-    return hook.tensors
+    config = ckpt.config()
+    mcfg = MossTTSDelayConfig.from_dict(config)
+    ids = calibration_ids(ctx, params.tuning(tuple(params.stream_grid)))
+    engine = Engine(mcfg, ckpt.get, device, torch.bfloat16, params.batch_size, desc="measure", log=ctx.log)
+    fisher = engine.output_fisher(ids, sampled_loglik_grad(mcfg, config, ckpt.get, ids, device, torch.bfloat16))
+    hook = MeasureHook(params, fisher, ctx.seed, device)
+    engine.run(hook, ids, resume=ctx.partial)
+    record = {"labels": "sampled from the source model (portable uniforms, inverse CDF)",
+              "loss": "text head log-likelihood at every position + mean of the audio heads' where audio is spoken",
+              "trace_per_block": [sig(float(f.sum())) for f in fisher]}
+    return hook.tensors, record
 
 
 def run_measure(ctx, params: MeasureParams, out: Path) -> dict:
@@ -117,16 +200,18 @@ def run_measure(ctx, params: MeasureParams, out: Path) -> dict:
     if params.measurement is not None:
         data = load_measurement(params.path(), digest, cal["sha256"], params, params.measurement)
     else:
+        tensors, fisher = _measure(ctx, params, device)
         data = {
             "schema": SCHEMA,
             "source": {"repo": ctx.spec.repo, "revision": ctx.spec.revision, "pins_digest": digest},
-            "calibration": {"name": cal["name"], "sha256": cal["sha256"], "nsamples": cal["nsamples"],
-                            "seqlen": cal["seqlen"]},
-            "grid": {"method": "rtn", "group_size": params.group_size, "sym": params.sym},
-            "candidate_bits": sorted(params.candidate_bits),
+            "calibration": {"name": cal["name"], "sha256": cal["sha256"], "nsamples": params.nsamples,
+                            "seqlen": params.seqlen},
+            "quantizer": params.quantizer(),
+            "grids": [grid_name(g) for g in parse_grids(params.grids)],
             "metric": METRIC,
-            "device": device.split(":")[0],  # float64 sums: reproducible on one device kind, close across kinds
-            "tensors": _measure(ctx, params, device),
+            "fisher": fisher,
+            "device": device.split(":")[0],  # float sums: reproducible on one device kind, close across kinds
+            "tensors": tensors,
         }
     text = canonical_json(data, indent=2)
     (out / MEASUREMENT).write_text(text)
@@ -135,7 +220,7 @@ def run_measure(ctx, params: MeasureParams, out: Path) -> dict:
 
 
 def load_measurement(path: Path, digest: str, cal_sha: str, params: MeasureParams, shown: str) -> dict:
-    """A measurement file offered for reuse: refused unless taken on this source, calibration and grid."""
+    """A measurement file offered for reuse: refused unless taken on this source, calibration and quantizer."""
     try:
         data = json.loads(path.read_text())
     except ValueError as e:
@@ -150,13 +235,14 @@ def load_measurement(path: Path, digest: str, cal_sha: str, params: MeasureParam
     if got_cal != cal_sha:
         raise PipelineError(f"{shown}: measured on calibration {got_cal[:12]!r}, this build's calibration is "
                             f"{cal_sha[:12]!r}; re-measure (drop measure.measurement)")
-    grid = data.get("grid", {})
-    if (grid.get("group_size"), grid.get("sym")) != (params.group_size, params.sym):
-        raise PipelineError(f"{shown}: measured at group_size={grid.get('group_size')} sym={grid.get('sym')}, "
-                            f"the profile asks group_size={params.group_size} sym={params.sym}")
-    if sorted(data.get("candidate_bits", [])) != sorted(params.candidate_bits):
-        raise PipelineError(f"{shown}: measured widths {data.get('candidate_bits')}, the profile asks "
-                            f"{sorted(params.candidate_bits)}")
+    got_q, want_q = data.get("quantizer", {}), params.quantizer()
+    for key in sorted(want_q):
+        if got_q.get(key) != want_q[key]:
+            raise PipelineError(f"{shown}: measured with quantizer {key}={got_q.get(key)!r}, the profile asks "
+                                f"{key}={want_q[key]!r}; re-measure (drop measure.measurement)")
+    want = [grid_name(g) for g in parse_grids(params.grids)]
+    if data.get("grids") != want:
+        raise PipelineError(f"{shown}: measured grids {data.get('grids')}, the profile asks {want}")
     return data
 
 
@@ -165,70 +251,85 @@ def quantize(ctx, cfg: SensitivityConfig, device: str) -> Weights:
         raise PipelineError(f"{ctx.profile.path}: method 'sensitivity' needs a measure stage before quantize")
     raw = (ctx.dirs["measure"] / MEASUREMENT).read_bytes()
     meas = json.loads(raw)
-    g, sym = meas["grid"]["group_size"], meas["grid"]["sym"]
     where = f"{ctx.profile.path.name}: stages.quantize"
-    for b in [cfg.base_bits, *cfg.protect_bits]:
-        if b != KEEP_BF16 and b not in meas["candidate_bits"]:
-            raise PipelineError(f"{where}: width {b} was not measured (measure.candidate_bits: {meas['candidate_bits']})")
+    grids = cfg.candidates()
+    for grid in grids:
+        if grid_name(grid) not in meas["grids"]:
+            raise PipelineError(f"{where}.grids: {list(grid)} was not measured (measured: {meas['grids']})")
     ckpt = ctx.checkpoint()
     mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
     names = block_linear_names(mcfg)
     if sorted(meas["tensors"]) != sorted(names):
         raise PipelineError(f"{MEASUREMENT}: its tensors do not match this model's {len(names)} decoder Linears")
-    scores = {n: {int(b): s for b, s in meas["tensors"][n]["scores"].items()} for n in names}
-    numel = {n: meas["tensors"][n]["shape"][0] * meas["tensors"][n]["shape"][1] for n in names}
+    by_name = {grid_name(g): g for g in grids}
+    scores = {n: {by_name[k]: v for k, v in meas["tensors"][n]["scores"].items() if k in by_name} for n in names}
+    shapes = {n: tuple(meas["tensors"][n]["shape"]) for n in names}
     groups = [tuple(f"{BLOCK_PREFIX}.{i}.{m}" for m in group)
               for i in range(mcfg.num_layers) for group in DEFINITION.fused_groups]
     try:
-        widths, taken = allocate(scores, numel, cfg, g, groups)
+        alloc = allocate(scores, shapes, grids, cfg.target_bpw, groups)
     except QuantizerError as e:
         raise PipelineError(f"{where}: {e}") from None
 
-    first_step, rank = {}, {}  # tensor -> its unit's first upgrade; unit -> its rank among protected units
-    for up in taken:
-        rank.setdefault(up.tensors, len(rank) + 1)
-        for name in up.tensors:
-            first_step.setdefault(name, up)
-    n_prot, n_units = len(rank), len(groups) + len(names) - sum(len(x) for x in groups)
-    table, quantized, reasons, extra_config = {}, {}, {}, {}
-    for name in progress(names, desc="sensitivity", unit="tensor"):
-        b = widths[name]
-        s = scores[name]
-        entry = {"bits": b, "score_at_base": s[cfg.base_bits], "score": 0.0 if b == KEEP_BF16 else s[b]}
-        if name in first_step:
-            up = first_step[name]
-            fused = f" with its fused group {'/'.join(n.rsplit('.', 1)[1] for n in up.tensors)}" if len(up.tensors) > 1 else ""
-            entry["reason"] = (f"score {s[cfg.base_bits]:.3g} at {cfg.base_bits}-bit -> {entry['score']:.3g} at "
-                               f"{'BF16' if b == KEEP_BF16 else f'{b}-bit'}; protected{fused} "
-                               f"{rank_text(rank[up.tensors], n_prot, n_units)} "
-                               f"by damage reduction per extra bit ({up.gain_per_bit:.3g}/bit)")
-        table[name] = entry
-        if b == KEEP_BF16:
-            reasons[name + ".weight"] = entry["reason"]
-            extra_config[name] = {"bits": 16, "data_type": "fp"}  # how auto-round marks a layer left unquantized
-            continue
-        if b != cfg.base_bits:
-            extra_config[name] = {"bits": b}
-        w = ckpt.get(name + ".weight").to(device)
-        quantized[name] = pack(quantize_rtn(w, RTNConfig(b, g, sym), name=name + ".weight"), "gptq")
-
-    target = cfg.target_bpw if cfg.target_bpw is not None else bits_per_weight(cfg.base_bits, g) + cfg.protect_budget
+    ids = calibration_ids(ctx, cfg)
+    ctx.log(f"sensitivity: auto-round at per-Linear grids {_count(alloc.grids)} "
+            f"({cfg.iters} iters on {ids.shape[0]} x {ids.shape[1]} MOSS block inputs, device {device})")
+    hook = AutoRoundHook(cfg.tuning(), ctx.seed, device, grids=alloc.grids)
+    Engine(mcfg, ckpt.get, device, desc="sensitivity", batch_size=cfg.batch_size, log=ctx.log).run(
+        hook, ids, resume=ctx.partial)
+    missing = sorted(set(names) - set(hook.packed))
+    if missing:
+        raise PipelineError(f"auto-round left {len(missing)} decoder Linears unquantized, e.g. {missing[0]}")
+    total = sum(o * i for o, i in shapes.values())
+    nominal = (cfg.bits, cfg.group_size)
     details = {
-        "nominal_bits": cfg.base_bits,
-        "measurement": {"file": MEASUREMENT, "sha256": sha256_file(ctx.dirs["measure"] / MEASUREMENT)},
+        "nominal_bits": cfg.bits,
+        "measurement": {"file": MEASUREMENT, "sha256": sha256_file(ctx.dirs["measure"] / MEASUREMENT),
+                        "quantizer": meas["quantizer"]},
         "allocation": {
-            "rule": "greedy by score reduction per extra stored bit; the longest prefix of the order within the budget",
+            "rule": ("multiple-choice knapsack, solved exactly: one width per unit (fused groups share one), the "
+                     "least total measured damage whose stored bits stay within the target"),
             "fused_groups": [list(x) for x in DEFINITION.fused_groups],  # one width each (vLLM's fused qkv/gate_up)
-            "target_backbone_bpw": sig(target),
-            "estimated_backbone_bpw": sig(estimated_bpw(widths, numel, g)),
-            "base_backbone_bpw": sig(bits_per_weight(cfg.base_bits, g)),
-            "widths": {str(b): sum(1 for v in widths.values() if v == b) for b in sorted(set(widths.values()))},
-            "tensors": table,
+            "target_backbone_bpw": sig(cfg.target_bpw),
+            "estimated_backbone_bpw": sig(alloc.stored_bits / total),
+            "uniform_nominal_bpw": sig(bits_per_weight(*nominal)),
+            "predicted_damage": sig(alloc.damage),
+            "uniform_nominal_damage": sig(sum(s[nominal] for s in scores.values())) if nominal in grids else None,
+            "grids": _count(alloc.grids),
+            "tensors": decisions(alloc, nominal, total),
         },
+        "tuning": tuning_record(cfg),
     }
-    qc = gptq.quantization_config(cfg.base_bits, g, sym, BLOCK_PREFIX, extra_config=extra_config, iters=0)
-    return Weights(quantized, qc, reasons=reasons, details=details, files={MEASUREMENT: raw})
+    extra_config = {n: {"bits": b} | ({"group_size": g} if g != cfg.group_size else {})
+                    for n, (b, g) in sorted(alloc.grids.items()) if (b, g) != nominal}
+    qc = gptq.quantization_config(cfg.bits, cfg.group_size, True, BLOCK_PREFIX, extra_config=extra_config,
+                                  **tuning_record(cfg))
+    return Weights(hook.packed, qc, details=details, files={MEASUREMENT: raw})
 
 
-def rank_text(rank: int, n_protected: int, n_total: int) -> str:
-    return f"#{rank} of {n_protected} protected ({100 * rank / n_total:.0f}% of {n_total} allocation units)"
+def _count(grids: dict[str, Grid]) -> dict[str, int]:
+    out = {}
+    for grid in sorted(grids.values(), key=lambda x: bits_per_weight(*x)):
+        out[grid_name(grid)] = out.get(grid_name(grid), 0) + 1
+    return out
+
+
+def decisions(alloc, nominal: Grid, total: int) -> dict[str, dict]:
+    """Each Linear's grid and why: its unit's measured damage and stored bits at every grid, and what
+    the chosen grid trades against the nominal one."""
+    out = {}
+    for unit, opts in alloc.options.items():
+        grid = alloc.grids[unit[0]]
+        fused = f" (with {'/'.join(n.rsplit('.', 1)[1] for n in unit)})" if len(unit) > 1 else ""
+        if grid == nominal or nominal not in opts:
+            why = f"{grid_name(grid)}{fused}" + (", the nominal grid" if grid == nominal else "")
+        else:
+            (bits_c, dmg_c), (bits_n, dmg_n) = opts[grid], opts[nominal]
+            verb = "spends" if bits_c > bits_n else "saves"
+            why = (f"{grid_name(grid)}{fused}: {'removes' if dmg_c < dmg_n else 'adds'} {abs(dmg_n - dmg_c):.3g} damage "
+                   f"and {verb} {abs(bits_c - bits_n) / total:.4f} bit per backbone weight against {grid_name(nominal)}")
+        for name in unit:
+            out[name] = {"bits": grid[0], "group_size": grid[1], "reason": why,
+                         "unit_damage": {grid_name(g): sig(d) for g, (_, d) in opts.items()},
+                         "unit_bpw_share": {grid_name(g): sig(c / total) for g, (c, _) in opts.items()}}
+    return dict(sorted(out.items()))

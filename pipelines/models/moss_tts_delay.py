@@ -168,6 +168,13 @@ class MossTTSDelay(nn.Module):
         return self.heads(self.hidden_states(input_ids))
 
 
+def audio_positions(config: dict, ids: torch.Tensor) -> torch.Tensor:
+    """(N, S) bool: where the text channel holds an audio gen/delay slot (the audio heads speak there)."""
+    slots = [config.get(k, SPECIAL_IDS[k]) for k in
+             ("audio_assistant_gen_slot_token_id", "audio_assistant_delay_slot_token_id")]
+    return torch.isin(ids[..., 0], torch.tensor(slots))
+
+
 def block_linear_names(config: MossTTSDelayConfig) -> list[str]:
     """Every quantizable decoder Linear, in stable (block, module) order."""
     return [f"{BLOCK_PREFIX}.{i}.{m}" for i in range(config.num_layers) for m in BLOCK_LINEARS]
