@@ -1,5 +1,6 @@
 """What a bundle's recipe stores per weight on the real 8B generator: its backbone-Linear bits per
-weight (from the manifest) over the full-shape parameter split, everything else kept BF16.
+weight (from the manifest) over the full-shape parameter split; embedding tables and heads the
+bundle stores as ggml blocks at their type's bits (Q8_0 8.5, Q4_0 4.5), everything else BF16.
 
     .venv/bin/python bench/bpw_at_scale.py artifacts/tiny/*/v1-*   # the README's "8B est." column and GGUF sizes
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -45,6 +47,25 @@ def gguf_sizes() -> None:
         print(f"| {label} | {bits / total:.2f} | {bits / 8 / 1e9:.2f} |")
 
 
+def at_scale(manifest: dict, model: str = "full-shape") -> float:
+    """Effective bits per weight of `manifest`'s recipe on `model`'s shapes."""
+    from pipelines.fixtures import fixture_config, tensor_specs
+    from pipelines.models.moss_tts_delay import DEFINITION
+    from quantizers.formats.ggml import BLOCK, TYPE_BYTES
+
+    q = manifest["bits_per_weight"]["quantized_linear"]
+    tables = {}  # the bundle's table keys -> bits per weight of their ggml type
+    for key, t in ((manifest.get("method_details") or {}).get("tables") or {}).items():
+        tables[key] = 8 * TYPE_BYTES[t["ggml_type"]] / BLOCK
+    bits = total = 0
+    for name, shape in tensor_specs(fixture_config(model)).items():
+        n = math.prod(shape)
+        key = next((k for k, p in DEFINITION.tables if re.search(p, name)), None)
+        bits += n * (q if DEFINITION.component_of(name) == "backbone_linears" else tables.get(key, 16.0))
+        total += n
+    return bits / total
+
+
 def main(argv=None) -> None:
     linear, total = split()
     print(f"full-shape: {linear / 1e9:.3f} B backbone Linear parameters of {total / 1e9:.3f} B "
@@ -52,8 +73,7 @@ def main(argv=None) -> None:
     print("| bundle | profile | quantized_linear bpw | effective bpw at 8B (computed) |\n|---|---|---:|---:|")
     for bundle in argv if argv is not None else sys.argv[1:]:
         m = json.loads((Path(bundle) / "manifest.json").read_text())
-        q = m["bits_per_weight"]["quantized_linear"]
-        print(f"| {bundle} | {m['profile']} | {q} | {(linear * q + (total - linear) * 16) / total:.2f} |")
+        print(f"| {bundle} | {m['profile']} | {m['bits_per_weight']['quantized_linear']} | {at_scale(m):.3f} |")
     gguf_sizes()
 
 

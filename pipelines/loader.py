@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from quantizers.errors import QuantizerError
-from quantizers.formats import for_config, stored
+from quantizers.formats import for_config, ggml, stored, table
 
 from . import manifest
 from .checkpoint import Checkpoint
@@ -33,13 +33,18 @@ class DequantizingView:
         marker = f".{self.fmt.MARKER}" if self.fmt else None
         self.packed = {k[: -len(marker)] for k in keys if k.endswith(marker)} if marker else set()
         parts = {f"{m}.{p}" for m in self.packed for p in self.fmt.PARTS} if self.fmt else set()
-        self.plain = keys - parts
+        # tables stored as ggml blocks, in any bundle: the part's name says the type
+        self.tables = {k.rsplit(".", 1)[0]: k.rsplit(".", 1)[1] for k in keys if k.rsplit(".", 1)[-1] in ggml.PARTS}
+        self.packed |= set(self.tables)
+        self.plain = keys - parts - {f"{m}.{p}" for m, p in self.tables.items()}
 
     def names(self) -> list[str]:
         return sorted(self.plain | {m + ".weight" for m in self.packed})
 
     def packed_weight(self, module: str):
         try:
+            if module in self.tables:
+                return table(module, self.tables[module], self._get)
             return stored(self.fmt, module, self._get, self.qc)
         except (QuantizerError, KeyError) as e:
             raise PipelineError(f"{self.where}: tensor {module}: {e}") from None

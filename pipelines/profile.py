@@ -65,7 +65,7 @@ def _flat(params) -> dict:
     """Stage params as a profile would write them (so a recipe.yaml is itself a valid profile)."""
     d = dataclasses.asdict(params)
     if isinstance(d.get("config"), dict) and "method" in d:
-        d = {"method": d["method"], "device": d["device"], **d["config"]}
+        d = {"method": d["method"], "device": d["device"], **d["config"], **({"tables": d["tables"]} if d.get("tables") else {})}
     return d
 
 

@@ -10,7 +10,8 @@ Evaluation, baselines included, is the evaluate stage's business, not the method
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,15 +19,18 @@ from safetensors.torch import load_file, save_file
 
 from quantizers.autoround import AutoRoundConfig
 from quantizers.awq import AWQConfig
+from quantizers.formats import PackedWeight, ggml
 from quantizers.fp8 import FP8Config
-from quantizers.rtn import RTNConfig
+from quantizers.rtn import RTNConfig, quantize_rtn
 from quantizers.sensitivity import SensitivityConfig
 
 from .checkpoint import canonical_json
 from .errors import PipelineError
 from .methods import autoround, awq, fp8, rtn, sensitivity
 from .methods.weights import Weights
+from .models.moss_tts_delay import DEFINITION as GENERATOR
 from .profile import build_params
+from .progress import progress
 
 # The YAML's `method:` name -> its config type -> the method. Dispatch is by config type.
 CONFIGS = {"rtn": RTNConfig, "awq": AWQConfig, "autoround": AutoRoundConfig, "sensitivity": SensitivityConfig,
@@ -39,11 +43,15 @@ TENSORS = "tensors.safetensors"
 META = "quant.json"
 
 
+TABLE_ROWS = 16384  # rows of a table quantized at a time: a 155648-row table is never whole in float32
+
+
 @dataclass
 class QuantizeParams:
     method: str
     device: str
     config: object  # the method's config dataclass
+    tables: dict[str, int] = field(default_factory=dict)  # embedding tables / heads stored as ggml blocks: key -> bits
 
 
 def parse(data: dict, where: str) -> QuantizeParams:
@@ -56,7 +64,19 @@ def parse(data: dict, where: str) -> QuantizeParams:
     device = data.pop("device", "auto")
     if not isinstance(device, str):
         raise PipelineError(f"{where}.device: expected str, got {device!r}")
-    return QuantizeParams(method, device, build_params(CONFIGS[method], data, where))
+    tables = data.pop("tables", None) or {}
+    keys = [k for k, _ in GENERATOR.tables]
+    if not isinstance(tables, dict):
+        raise PipelineError(f"{where}.tables: expected a mapping of table -> bits (tables: {', '.join(keys)})")
+    for key, bits in tables.items():
+        if key not in keys:
+            raise PipelineError(f"{where}.tables: unknown table {key!r} (allowed: {', '.join(keys)})")
+        if bits not in ggml.TABLE_TYPES:
+            raise PipelineError(f"{where}.tables.{key}: {bits!r} bits; a table is stored as ggml blocks of "
+                                f"{' or '.join(str(b) for b in sorted(ggml.TABLE_TYPES))} bits")
+    if tables and method == "fp8":
+        raise PipelineError(f"{where}.tables: the codec has no embedding tables or heads")
+    return QuantizeParams(method, device, build_params(CONFIGS[method], data, where), dict(sorted(tables.items())))
 
 
 def run(ctx, params: QuantizeParams, out: Path) -> dict:
@@ -66,6 +86,8 @@ def run(ctx, params: QuantizeParams, out: Path) -> dict:
         raise PipelineError(f"{ctx.profile.path}: method {params.method!r} needs a calibrate stage before quantize")
     device = resolve_device(params.device)
     weights: Weights = METHODS[type(params.config)](ctx, params.config, device)
+    if params.tables:
+        quantize_tables(ctx, weights, params.tables)
     tensors, layout = assemble(ctx, weights)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / TENSORS))
     for name, data in weights.files.items():
@@ -75,6 +97,26 @@ def run(ctx, params: QuantizeParams, out: Path) -> dict:
             "kept": weights.kept, "source_params": weights.source_params}
     (out / META).write_text(canonical_json(meta, indent=2))
     return {"method": params.method, "device": device, "device_kind": device.split(":")[0], "tensors": len(tensors)}
+
+
+def quantize_tables(ctx, w: Weights, tables: dict[str, int]) -> None:
+    """The embedding tables and heads named in `tables` at their widths: round-to-nearest, symmetric,
+    groups of 32 along the hidden axis (one ggml block each: Q8_0 / Q4_0, what llama.cpp reads), a
+    slice of rows at a time."""
+    ckpt = ctx.checkpoint()
+    patterns = [(k, p) for k, p in ctx.definition.tables if k in tables]
+    chosen = {n: k for n in ckpt.keys() for k, p in patterns if re.search(p, n)}
+    for name in progress(sorted(chosen), desc="tables", unit="tensor"):
+        bits, rows = tables[chosen[name]], []
+        t = ckpt.get(name)
+        for s in range(0, t.shape[0], TABLE_ROWS):
+            iw = quantize_rtn(t[s:s + TABLE_ROWS].float(), RTNConfig(bits, ggml.BLOCK, True), name=name)
+            rows.append(ggml.pack_table(iw)[ggml.part_of(bits)])
+        module = name.removesuffix(".weight")
+        w.packed[module] = PackedWeight(ggml.NAME, {ggml.part_of(bits): torch.cat(rows)}, bits, ggml.BLOCK, True)
+    w.details["tables"] = {k: {"bits": b, "ggml_type": ggml.TABLE_TYPES[b], "group_size": ggml.BLOCK, "sym": True,
+                               "quantizer": "rtn", "tensors": sorted(n for n, key in chosen.items() if key == k)}
+                           for k, b in tables.items()}
 
 
 def assemble(ctx, w: Weights) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

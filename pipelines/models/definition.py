@@ -25,6 +25,9 @@ class Definition:
     input_groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Linears a serving runtime fuses into one matmul (vLLM's qkv_proj, gate_up_proj): one width
     fused_groups: tuple[tuple[str, ...], ...] = ()
+    # Embedding tables and heads a profile may store quantized: (key named in `quantize.tables`, regex
+    # over source tensor names)
+    tables: tuple[tuple[str, str], ...] = ()
     linear_component: str = "backbone_linears"  # the component whose bits per weight is `quantized_linear`
     split_by_format: bool = False  # count that component per stored format (`<component>_fp8`, `_bf16`)
 

@@ -52,6 +52,8 @@ DEFINITION = Definition(
     block_linears=BLOCK_LINEARS,
     input_groups=INPUT_GROUPS,
     fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
+    tables=(("text_embedding", r"^language_model\.embed_tokens\.weight$"), ("audio_embeddings", r"^emb_ext\.\d+\.weight$"),
+            ("text_head", r"^lm_heads\.0\.weight$"), ("audio_heads", r"^lm_heads\.[1-9]\d*\.weight$")),
     components=(
         Component("backbone_linears", r"^language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.",
                   "kept BF16 by the allocation"),

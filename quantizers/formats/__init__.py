@@ -1,4 +1,4 @@
-"""On-disk weight formats, one module each (gptq, awq_gemm, fp8_channel). A format module owns
+"""On-disk weight formats, one module each (gptq, awq_gemm, fp8_channel; ggml for tables). A format module owns
 `pack` / `unpack`, its Hugging Face `quantization_config`, how to read one layer's grid back from
 that config, and its stored-bits formula. A `PackedWeight` knows its format and dequantizes
 itself: the loader, export, the bits count and the sensitivity cost model all ask the format.
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import QuantizerError
-from . import awq_gemm, fp8_channel, gptq
+from . import awq_gemm, fp8_channel, ggml, gptq
 
-FORMATS = {m.NAME: m for m in (gptq, awq_gemm, fp8_channel)}
+FORMATS = {m.NAME: m for m in (gptq, awq_gemm, fp8_channel, ggml)}
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,15 @@ def for_config(quantization_config: dict | None):
         return None
     method = quantization_config.get("quant_method")
     for mod in FORMATS.values():
-        if mod.QUANT_METHOD == method:
+        if mod.QUANT_METHOD is not None and mod.QUANT_METHOD == method:
             return mod
     raise QuantizerError(f"quantization_config.quant_method {method!r} is not a format this project reads "
-                         f"(known: {', '.join(m.QUANT_METHOD for m in FORMATS.values())})")
+                         f"(known: {', '.join(m.QUANT_METHOD for m in FORMATS.values() if m.QUANT_METHOD)})")
+
+
+def table(module: str, part: str, get) -> PackedWeight:
+    """An embedding table or head stored as ggml blocks (`<module>.q8_0` / `.q4_0`)."""
+    return PackedWeight(ggml.NAME, {part: get(f"{module}.{part}")}, ggml.bits_of(part), ggml.BLOCK, True)
 
 
 def stored(fmt, module: str, get, quantization_config: dict) -> PackedWeight:

@@ -19,6 +19,11 @@ group_size / 32 blocks sharing its scale, so:
 
 Exact means bit for bit: ggml computes d * float(c - k) in float32, as our dequantization
 computes (q - z) * s.
+
+It is also a bundle format for the embedding tables and heads (`NAME = "ggml"`): a table quantized
+symmetric in groups of 32 is stored as the GGUF tensor's own bytes, `<module>.q8_0` or `<module>.q4_0`
+(uint8 [rows, row bytes]; the part's name says the type, so no quantization_config entry is needed),
+exactly 8.5 or 4.5 bits per weight, copied unchanged into a GGUF and read there by llama.cpp.
 """
 from __future__ import annotations
 
@@ -98,3 +103,59 @@ def pack(iw: IntWeight, ggml_type: str) -> np.ndarray:
     else:
         raise QuantizerError(f"ggml type {ggml_type!r} is not written here (known: {', '.join(TYPE_BYTES)})")
     return np.concatenate(body, axis=1).reshape(out_f, in_f // BLOCK * TYPE_BYTES[ggml_type])
+
+
+# ---- the table format: ggml blocks as a bundle's stored parts ------------------------------------
+
+NAME = "ggml"
+QUANT_METHOD = None  # never named by a quantization_config: the part name says the type
+TABLE_TYPES = {8: "Q8_0", 4: "Q4_0"}  # width -> ggml type (symmetric groups of 32)
+PARTS = tuple(t.lower() for t in TABLE_TYPES.values())
+
+
+def part_of(bits: int) -> str:
+    if bits not in TABLE_TYPES:
+        raise QuantizerError(f"a table is stored at {sorted(TABLE_TYPES)} bits, not {bits}")
+    return TABLE_TYPES[bits].lower()
+
+
+def bits_of(part: str) -> int:
+    return next(b for b, t in TABLE_TYPES.items() if t.lower() == part)
+
+
+def pack_table(iw: IntWeight) -> dict[str, torch.Tensor]:
+    """A symmetric g32 IntWeight of 4 or 8 bits -> {"q4_0" | "q8_0": uint8 [rows, row bytes]}."""
+    if (iw.group_size, iw.sym) != (BLOCK, True):
+        raise QuantizerError(f"a ggml table needs a symmetric grid in groups of {BLOCK}, got group_size "
+                             f"{iw.group_size} sym={iw.sym}")
+    part = part_of(iw.bits)
+    return {part: torch.from_numpy(pack(iw, part.upper()))}
+
+
+def unpack_table(parts: dict[str, torch.Tensor], bits: int, group_size: int = BLOCK, sym: bool = True) -> IntWeight:
+    """The inverse of pack_table (ggml-common.h's layouts read back into our grid)."""
+    part = part_of(bits)
+    raw = parts[part].numpy()
+    rows, n = raw.shape[0], raw.shape[1] // TYPE_BYTES[part.upper()]
+    blocks = raw.reshape(rows * n, TYPE_BYTES[part.upper()])
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, n)
+    if part == "q8_0":
+        rel = blocks[:, 2:].copy().view(np.int8).astype(np.int32)
+    else:
+        qs = blocks[:, 2:]
+        rel = np.concatenate([qs & 0xF, qs >> 4], axis=1).astype(np.int32) - 8
+    zero = 2 ** (bits - 1)
+    q = torch.from_numpy(rel.reshape(rows, n * BLOCK) + zero).to(torch.int32)
+    return IntWeight(q, torch.from_numpy(d), torch.full((rows, n), zero, dtype=torch.int32), bits, BLOCK, True)
+
+
+def unpack(parts, bits, group_size, sym):  # the format protocol (quantizers.formats.PackedWeight)
+    return unpack_table(parts, bits, group_size, sym)
+
+
+def codes(iw: IntWeight) -> torch.Tensor:
+    return iw.q
+
+
+def layout_record(pw) -> dict:
+    return {"group_size": pw.group_size, "sym": pw.sym, "ggml_type": part_of(pw.bits).upper()}
