@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install quantize test demo push rebuild report fixture bench determinism clean
+.PHONY: install quantize test demo push rebuild report fixture bench determinism clean pareto
 
 # torch is pinned (constraints.txt): a range admitting newer releases pulls a multi-GB CUDA build.
 # autoawq 0.2.9 goes in with --no-deps: its triton pin is not needed on CPU.
@@ -66,3 +66,12 @@ determinism: install
 
 clean:
 	rm -rf artifacts/.cache
+
+# Uniform points for the report's Pareto plot: RTN (rtn4's grid) and auto-round (autoround-q3's) at 2, 3 and 4
+# bits beside the profiles themselves (each a version of its profile; a rejected one is a point too).
+pareto: install
+	@for b in 2 3; do $(MQ) quantize rtn4 --model $(MODEL) --set quantize.bits=$$b; rc=$$?; \
+	  if [ $$rc -ne 0 ] && [ $$rc -ne 3 ]; then exit $$rc; fi; done
+	@for b in 2 4; do $(MQ) quantize autoround-q3 --model $(MODEL) --set quantize.bits=$$b; rc=$$?; \
+	  if [ $$rc -ne 0 ] && [ $$rc -ne 3 ]; then exit $$rc; fi; done
+	$(MQ) report $(MODEL)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantizers.formats import ggml
+
 from . import serving
 from .atomic import atomic_folder
 from .checkpoint import Checkpoint, canonical_json, write_sharded
@@ -43,11 +45,12 @@ def export_backbone(bundle: Path, dest: Path, shard_size_mb: int = 2048) -> Path
     if config.get("model_type") != "moss_tts_delay":
         raise PipelineError(f"{bundle / 'config.json'}: model_type {config.get('model_type')!r}, expected 'moss_tts_delay'")
     qc = config.get("quantization_config")
-    gaps = serving.gaps(qc)  # before any tensor is read: a refusal costs nothing
+    tables = sorted(k.rsplit(".", 1)[0] for k in ckpt.keys() if k.rsplit(".", 1)[-1] in ggml.PARTS)
+    gaps = serving.gaps(qc) + serving.table_gaps(tables)  # before any tensor is read: a refusal costs nothing
     refused = [g for g in gaps if g.refuse]
     if refused:  # this folder exists to be loaded by transformers/vLLM: never hand them placeholders
-        raise PipelineError(f"{bundle}: {refused[0]}; rebuild on a grid it has kernels for (sym: true), "
-                            "nothing written")
+        raise PipelineError(f"{bundle}: {refused[0]}; rebuild with a format it loads (sym: true grids, no "
+                            "quantize.tables), nothing written")
     serving.warn(gaps, str(dest))
     tensors = {new: ckpt.get(n, check_finite=False) for n in ckpt.keys() if (new := backbone_name(n))}
     qwen3 = {k: v for k, v in config["language_config"].items() if k not in ("transformers_version", "torch_dtype")}

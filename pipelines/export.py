@@ -183,6 +183,8 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
 
     path = write_bundle(folder / version, build)
     manifest.record(folder, version)
-    serving.warn(serving.gaps(meta["quantization_config"]), f"{ctx.spec.name}/{ctx.profile.name} {version}")
+    tables = sorted(k.removesuffix(".weight") for k, v in meta["layout"].items() if v["format"] == "ggml")
+    serving.warn(serving.gaps(meta["quantization_config"]) + serving.table_gaps(tables),
+                 f"{ctx.spec.name}/{ctx.profile.name} {version}")
     ctx.bundle = path
     return {"bundle": str(path.name), "status": gate["status"]}

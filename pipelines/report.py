@@ -102,6 +102,20 @@ def collect(model: str, root: Path) -> list[Entry]:
     return entries
 
 
+def every_version(entries: list[Entry]) -> list[Entry]:
+    """Every bundle of the generator profiles shown, all versions (a uniform sweep builds one profile at
+    several widths with `--set quantize.bits=B`: each is a point of the Pareto plot)."""
+    from . import manifest
+
+    out = []
+    for e in entries:
+        for folder in manifest.bundles(e.folder.parent):
+            m = e.manifest if folder == e.folder else manifest.read(folder)
+            if (m.get("evaluation") or {}).get("metrics") and "quantized_linear" in m.get("bits_per_weight", {}):
+                out.append(Entry(folder, m))
+    return out
+
+
 # --------------------------------------------------------------------------- Markdown
 
 
@@ -179,6 +193,16 @@ def render(model: str, entries: list[Entry], plots: dict[str, str], root: Path) 
         rows = [[e.profile, held_out(e)] + [e.metrics.get(k) for k in GENERATOR_METRICS + tuple(extra)] for e in gen]
         lines += table(["profile", "held-out set", *GENERATOR_METRICS, *extra], rows)
         lines += _images(plots, ["bpw_vs_fidelity", "block_error", "per_codebook"])
+        pts = pareto_points(every_version(gen))
+        if len(pts) > 1:
+            front = set(pareto_front(pts))
+            lines += ["### Bits against fidelity (Pareto)", "",
+                      "Every bundle of every profile (all versions: `make pareto` adds uniform RTN and auto-round at 2, 3 "
+                      "and 4 bits), and the plain-RTN figures the calibrated profiles scored on their own grids; "
+                      "`front`: no other point has fewer bits and lower KL.", ""]
+            lines += table(["point", "bits per Linear weight", "kl_audio_mean", "rejected", "front"],
+                           [[label, x, y, rej, (x, y) in front] for x, y, label, rej in pts])
+            lines += _images(plots, ["pareto"])
         base = [e for e in gen if rtn_baseline(e)]
         if base:
             lines += ["### Against plain RTN on the same grid", "",
@@ -403,6 +427,54 @@ def plot_decoded_distance(fig, entries, colors):
     ax.legend(fontsize=8)
 
 
+def _point_label(e: Entry) -> str:
+    """The profile, with its uniform width where the recipe has one (a sweep builds several)."""
+    bits = ((e.manifest.get("stages") or {}).get("quantize") or {}).get("bits")
+    return f"{e.profile} ({bits}-bit)" if e.manifest.get("method") in ("rtn", "autoround", "awq") and bits else e.profile
+
+
+def pareto_points(entries: list[Entry]) -> list[tuple[float, float, str, bool]]:
+    """(bits per Linear weight, audio KL, label, rejected) for every bundle, and the plain-RTN figures its
+    evaluate stage scored on the same grid (not gated: rejected None)."""
+    pts = {}
+    for e in entries:
+        x, y = e.bpw["quantized_linear"], e.metrics.get("kl_audio_mean")
+        if y is not None:
+            pts.setdefault(_point_label(e), (x, y, _point_label(e), e.manifest["status"] == "rejected"))
+        base = rtn_baseline(e).get("kl_audio_mean")
+        if base is not None and e.manifest.get("method") != "rtn":
+            label = f"plain RTN, grid of {_point_label(e)}"
+            pts.setdefault(label, (x, base, label, None))  # scored, not gated
+    return sorted(pts.values())
+
+
+def pareto_front(points) -> list[tuple[float, float]]:
+    """The points no other beats on both axes (fewer bits and lower KL), in order of bits."""
+    front, best = [], float("inf")
+    for x, y, *_ in sorted(points, key=lambda p: (p[0], p[1])):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def plot_pareto(fig, entries, colors):
+    ax = fig.subplots()
+    pts = pareto_points(entries)
+    cmap = _pyplot().get_cmap("tab20")
+    for i, (x, y, label, rejected) in enumerate(pts):
+        ax.scatter(x, y, color=cmap(i % 20), marker="X" if rejected else "o", s=50, zorder=3,
+                   label=label + (" (rejected)" if rejected else ""))
+    front = pareto_front(pts)
+    ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", lw=1, ls="--", label="Pareto front")
+    ax.set_yscale("log")
+    ax.set_xlabel("stored bits per backbone-Linear weight (scales and zeros included)")
+    ax.set_ylabel("KL audio, teacher-forced (mean over codebooks, log)")
+    ax.set_title("Bits against fidelity: every bundle and the plain-RTN baselines (X = rejected)")
+    ax.grid(alpha=0.3, which="both")
+    _legend_outside(fig, ax)
+
+
 def plot_bpw_components(fig, entries, colors):
     ax = fig.subplots()
     names = components_of(entries) + ["headers"]
@@ -430,6 +502,8 @@ def plot_specs(entries: list[Entry]) -> list[tuple[str, str, object, list[Entry]
     specs = [("bpw_components", "effective bits per weight by component", plot_bpw_components, entries)]
     if gen:
         specs += [("bpw_vs_fidelity", "effective bits per weight against KL and top-1", plot_bpw_vs_fidelity, gen),
+                  ("pareto", "bits per Linear weight against audio KL, every bundle (Pareto front)", plot_pareto,
+                   every_version(gen)),
                   ("block_error", "per-block relative error", plot_block_error,
                    [e for e in gen if e.metrics.get("block_rel_error")]),
                   ("per_codebook", "per-codebook KL and top-1", plot_per_codebook, gen)]
@@ -460,7 +534,8 @@ def write_report(model: str, root: Path | None = None) -> Path:
     try:
         plots = {}
         for stem, alt, fn, shown in progress(plot_specs(entries), desc="report: plots", unit="plot"):
-            fig = plt.figure(figsize=(11, 4.5) if fn in (plot_bpw_vs_fidelity, plot_per_codebook, plot_codec_bpw_vs_fidelity)
+            fig = plt.figure(figsize=(11, 4.5) if fn in (plot_bpw_vs_fidelity, plot_per_codebook, plot_codec_bpw_vs_fidelity,
+                                                         plot_pareto)
                              else (8, 4.5))
             try:
                 fn(fig, shown, colors)

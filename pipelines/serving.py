@@ -90,6 +90,24 @@ def awq_gaps(qc: dict) -> list[Gap]:
 
 
 GAPS = {"auto-round": auto_round_gaps, "awq": awq_gaps}
+BACKBONE_TABLES = ("language_model.embed_tokens", "lm_heads.0")  # the tables a Qwen3ForCausalLM folder holds
+
+
+def table_gaps(tables: list[str]) -> list[Gap]:
+    """Embedding tables / heads stored as ggml blocks: only llama.cpp (the GGUF export) and this project's
+    loader read them. MOSS's vLLM-Omni and SGLang-Omni models load `emb_ext.*` / `lm_heads.*` as plain
+    `.weight` tensors (a missing weight: a load error there, not placeholders), and transformers has no
+    quantized embedding: a backbone folder holding one is refused."""
+    if not tables:
+        return []
+    out = [Gap("vLLM-Omni / SGLang-Omni", False, f"{len(tables)} embedding tables or heads are ggml blocks (e.g. "
+                                                 f"{tables[0]}); they read plain .weight tensors only: serve it "
+                                                 "through the GGUF export (llama.cpp)")]
+    inside = [t for t in tables if t in BACKBONE_TABLES]
+    if inside:
+        out.append(Gap("transformers", True, f"{inside[0]} is stored as ggml blocks; a Qwen3ForCausalLM folder "
+                                             "holds it only as a plain weight"))
+    return out
 
 
 def gaps(quantization_config: dict | None) -> list[Gap]:

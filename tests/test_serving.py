@@ -84,10 +84,10 @@ def test_awq_backbone_names_its_head_and_transformers_refuses_it_loudly_without_
 
 
 def _asym3_profile(tmp_path):
-    """sens-q3 on the grid it had before: asymmetric 3-bit, for which auto-round has no CPU kernel."""
-    data = yaml.safe_load(profile_path("sens-q3").read_text())
-    data["stages"]["measure"]["sym"] = False
-    path = tmp_path / "sens-q3-asym.yaml"
+    """Asymmetric 3-bit (RTN), the grid sens-q3 once had: auto-round has no CPU kernel for it."""
+    data = yaml.safe_load(profile_path("rtn4").read_text())
+    data["name"], data["stages"]["quantize"]["bits"] = "rtn3-asym", 3
+    path = tmp_path / "rtn3-asym.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
