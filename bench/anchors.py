@@ -49,9 +49,18 @@ def write_backbone(fixture: Path, out: Path) -> Path:
 
 
 def settings(anchor: str, model: str, profile: str | None = None) -> dict:
-    """The anchor's arguments, taken from the matching profile (or a copy of it) as resolved for `model`."""
+    """The anchor's arguments, taken from the matching profile (or a copy of it) as resolved for `model`;
+    a `-defaults` anchor gets only what a user states (width, group, samples, length, iterations) and
+    the library's own defaults for everything else."""
     prof = plan(profile or ANCHORS[anchor], model)
     q = prof.stages["quantize"].config
+    if anchor == "autoawq-defaults":
+        return {"quant_config": {"w_bit": q.bits, "q_group_size": q.group_size, "zero_point": q.zero_point,
+                                 "version": q.version.upper()},
+                "max_calib_samples": q.nsamples, "max_calib_seq_len": q.seqlen, "seed": prof.seed, "defaults": True}
+    if anchor == "auto-round-defaults":
+        return {"bits": q.bits, "group_size": q.group_size, "sym": q.sym, "iters": q.iters, "nsamples": q.nsamples,
+                "seqlen": q.seqlen, "seed": prof.seed, "defaults": True}
     if anchor == "autoawq":
         return {"quant_config": {"w_bit": q.bits, "q_group_size": q.group_size, "zero_point": q.zero_point,
                                  "version": q.version.upper()},
@@ -82,9 +91,10 @@ def run_autoawq(folder: Path, s: dict, device: str) -> dict:
     stats["load"] = _stats_end(started)
     ids = calib_ids(folder, s["max_calib_samples"], s["max_calib_seq_len"], s["seed"]).tolist()
     started = _stats_start()
+    ours = {} if s.get("defaults") else {"n_parallel_calib_samples": s["n_parallel_calib_samples"],
+                                         "duo_scaling": s["duo_scaling"], "apply_clip": s["apply_clip"]}
     model.quantize(tok, quant_config=s["quant_config"], calib_data=ids, max_calib_samples=s["max_calib_samples"],
-                   max_calib_seq_len=s["max_calib_seq_len"], n_parallel_calib_samples=s["n_parallel_calib_samples"],
-                   duo_scaling=s["duo_scaling"], apply_clip=s["apply_clip"])
+                   max_calib_seq_len=s["max_calib_seq_len"], **ours)
     stats["quantize"] = _stats_end(started)
     return stats
 
@@ -95,12 +105,12 @@ def run_autoround(folder: Path, s: dict, device: str) -> dict:
     ids = calib_ids(folder, s["nsamples"], s["seqlen"], s["seed"])
     stats = {}
     started = _stats_start()
+    ours = {} if s.get("defaults") else {
+        "batch_size": s["batch_size"], "lr": s["lr"], "enable_deterministic_algorithms": s["enable_deterministic_algorithms"],
+        "low_gpu_mem_usage": s["low_gpu_mem_usage"] and device.startswith("cuda"), "enable_torch_compile": False}
     ar = AutoRound(str(folder), bits=s["bits"], group_size=s["group_size"], sym=s["sym"],
                    dataset=[row.unsqueeze(0) for row in ids], iters=s["iters"], nsamples=s["nsamples"],
-                   seqlen=s["seqlen"], batch_size=s["batch_size"], lr=s["lr"], seed=s["seed"],
-                   enable_deterministic_algorithms=s["enable_deterministic_algorithms"],
-                   low_gpu_mem_usage=s["low_gpu_mem_usage"] and device.startswith("cuda"),
-                   enable_torch_compile=False, device_map=device)
+                   seqlen=s["seqlen"], seed=s["seed"], device_map=device, **ours)
     stats["load"] = _stats_end(started)
     started = _stats_start()
     ar.quantize()
@@ -108,6 +118,9 @@ def run_autoround(folder: Path, s: dict, device: str) -> dict:
     return stats
 
 
-# anchor -> the profile whose settings it runs with
-ANCHORS = {"autoawq": "awq4", "auto-round": "autoround-q3"}
-RUNNERS = {"autoawq": run_autoawq, "auto-round": run_autoround}
+# anchor -> the profile whose settings it runs with: at our settings (our batch, deterministic, no compile)
+# and as its users run it (`-defaults`)
+ANCHORS = {"autoawq": "awq4", "autoawq-defaults": "awq4", "auto-round": "autoround-q3",
+           "auto-round-defaults": "autoround-q3"}
+RUNNERS = {"autoawq": run_autoawq, "autoawq-defaults": run_autoawq, "auto-round": run_autoround,
+           "auto-round-defaults": run_autoround}

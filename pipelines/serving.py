@@ -63,7 +63,9 @@ def _grid_name(bits: int, sym: bool) -> str:
 def auto_round_gaps(qc: dict) -> list[Gap]:
     gaps = []
     for (bits, sym), modules in layer_grids(qc).items():
-        where = "the base grid" if modules == ["*"] else f"{len(modules)} layers, e.g. {modules[0]}"
+        named = [m for m in modules if m != "*"]
+        where = ("the base grid" if "*" in modules else "") + (" and " if "*" in modules and named else "") + (
+            f"{len(named)} layers, e.g. {named[0]}" if named else "")
         backends = _cpu_backends(bits, sym)
         if not backends:
             gaps.append(Gap("transformers (CPU)", True,

@@ -286,7 +286,7 @@ def test_sens_q3_bundle_is_mixed_precision_auto_round_with_every_decision_record
                 f.get_tensor(name + ".scales").float().t().numpy()).reshape(out_f, -1, 1))
             assert torch.allclose(levels, levels.round(), atol=1e-3)
             assert levels.abs().max() <= 2 ** (t["bits"] - 1)
-            assert ((wq - w).norm() / w.norm()).item() < 0.5
+            assert ((wq - w).norm() / w.norm()).item() < min(0.7, 6 * 2.0 ** -t["bits"])  # 8-bit: 2.3%
 
 
 def test_sens_q3_beats_autoround_q3_at_the_same_bits(q3, shipped):
