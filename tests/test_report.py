@@ -267,3 +267,12 @@ def test_bad_input_is_one_line_and_leaves_nothing(root, tmp_path, capsys):
 def test_cli_writes_the_report(root, capsys):
     main(["report", "codec-tiny", "--root", str(root)])
     assert capsys.readouterr().out.strip() == f"report: {root / 'codec-tiny' / REPORT}"
+
+
+def test_the_pareto_front_keeps_the_points_nothing_beats():
+    from pipelines.report import pareto_front
+
+    pts = [(2.14, 0.02, "a", True), (2.5, 0.007, "b", False), (3.15, 0.006, "c", False), (3.15, 0.0045, "d", False),
+           (4.16, 0.009, "e", False), (4.16, 0.003, "f", False), (3.3, 0.005, "g", False)]
+    # g has more bits than d and a higher KL; e is beaten by d; c by d at the same bits
+    assert pareto_front(pts) == [(2.14, 0.02), (2.5, 0.007), (3.15, 0.0045), (4.16, 0.003)]

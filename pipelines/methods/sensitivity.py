@@ -3,8 +3,8 @@
 `measure` (a stage of its own, so a changed budget reuses the cached scores):
   1. the Fisher pass (engine.output_fisher): the diagonal Fisher of the model's output
      distributions at every block's output, from labels sampled from the source model itself
-     (text head everywhere, the audio heads' mean where audio is spoken: the gate's kl_text and
-     kl_audio_mean);
+     (the text head everywhere and every audio head where audio is spoken: the KL of the model's
+     whole next-step distribution is the sum of its heads');
   2. the measure pass (engine.run, fp and quant streams): per block, auto-round tunes a copy of the
      block at every candidate grid (bits, group size; the same block-level call the quantize stage
      makes, on the block's real inputs: the quantized stream); each Linear's tuned weights at each
@@ -100,7 +100,7 @@ class MeasureParams:
 def sampled_loglik_grad(cfg: MossTTSDelayConfig, config: dict, get, ids: torch.Tensor, device: str, dtype):
     """d/d(final hidden) of the log-likelihood of labels sampled from the model's own outputs (inverse
     CDF of portable uniforms: the same labels on every machine): the text head at every position plus
-    the mean of the audio heads where audio is spoken. Heads are read once; one sequence at a time."""
+    every audio head where audio is spoken. Heads are read once; one sequence at a time."""
     audio = audio_positions(config, ids).to(device)
     heads = [get(f"lm_heads.{k}.weight").to(device, dtype) for k in range(cfg.n_vq + 1)]
     draws = uniform("sensitivity/fisher-labels", (cfg.n_vq + 1, *ids.shape[:2]), device=device).double()
@@ -130,7 +130,7 @@ def sampled_loglik_grad(cfg: MossTTSDelayConfig, config: dict, get, ids: torch.T
 
 
 class MeasureHook:
-    """Per block: auto-round at every width on a copy of the block, then every Linear's tuned weights
+    """Per block: auto-round at every grid on a copy of the block, then every Linear's tuned weights
     alone in the source block, scored on the block output with the Fisher weights."""
 
     streams, capture = (FP, QUANT), ()
@@ -184,7 +184,7 @@ def _measure(ctx, params: MeasureParams, device: str) -> tuple[dict, dict]:
     hook = MeasureHook(params, fisher, ctx.seed, device)
     engine.run(hook, ids, resume=ctx.partial)
     record = {"labels": "sampled from the source model (portable uniforms, inverse CDF)",
-              "loss": "text head log-likelihood at every position + mean of the audio heads' where audio is spoken",
+              "loss": "text head log-likelihood at every position + every audio head's where audio is spoken",
               "trace_per_block": [sig(float(f.sum())) for f in fisher]}
     return hook.tensors, record
 
