@@ -22,15 +22,17 @@ def tiny_path():
 
 @pytest.fixture(scope="session")
 def shipped(tmp_path_factory):
-    """shipped(profile): that shipped profile built once per session on the tiny fixture, in its own roots."""
+    """shipped(profile): that shipped profile built once per session on the tiny fixture, in its own bundle
+    root; one stage cache for all (stages with equal keys, the sensitivity profiles' shared calibrate
+    and measure, run once)."""
     from pipelines.api import build
 
-    built = {}
+    built, cache = {}, tmp_path_factory.mktemp("shipped-cache")
 
     def get(profile: str):
         if profile not in built:
             root = tmp_path_factory.mktemp(profile)
-            built[profile] = build(profile, "tiny", cache_root=root / "cache", bundle_root=root / "bundles")
+            built[profile] = build(profile, "tiny", cache_root=cache, bundle_root=root / "bundles")
         return built[profile]
 
     return get

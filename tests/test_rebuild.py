@@ -148,7 +148,8 @@ def test_rebuild_under_another_cpu_kernel(profile, allowed, tmp_path):
     assert r.stdout.strip().splitlines()[-1].split(":")[0] in {0: {"identical"}, 5: {"equivalent"}}[r.returncode]
 
 
-@pytest.mark.parametrize("profile", known_profiles())
+# One profile per code path: sens-q2 and whole-q3 differ from sens-q3 and whole-q4 in numbers only.
+@pytest.mark.parametrize("profile", [p for p in known_profiles() if p not in ("sens-q2", "whole-q3")])
 def test_every_profile_builds_bit_identically_twice(profile, tmp_path):
     a = build(profile, "tiny", use_cache=False, cache_root=tmp_path / "c1", bundle_root=tmp_path / "b1").bundle
     b = build(profile, "tiny", use_cache=False, cache_root=tmp_path / "c2", bundle_root=tmp_path / "b2").bundle

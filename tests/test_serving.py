@@ -21,6 +21,16 @@ AUTO_ROUND = ["rtn4", "autoround-q3", "sens-q3", "sens-q2"]
 # max relative logit error and min top-1 agreement per load dtype. The reference is our loader in
 # float32: fp16/fp32 loads differ only by kernel rounding; bf16 activations carry ~0.4% on their own.
 DTYPES = {"float32": (2e-3, 0.98), "float16": (3e-3, 0.98), "bfloat16": (2e-2, 0.9)}
+# auto-round-lib's ARK kernel (`compute_dtype="auto"`) quantizes the activations to int8 on CPUs with
+# VNNI/AMX int8 units (measured here: 1.4-1.6% relative logit error in float32, where AVX2 gives 4e-7):
+# the bound of a W4A8 kernel, still far from the ~100% of placeholder weights.
+INT8_ACTIVATIONS = (3e-2, 0.95)
+
+
+def _int8_activations(model) -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    ark = any(type(m).__module__.startswith("auto_round_kernel") for m in model.modules())
+    return ark and bool({"avx512_vnni", "amx_int8", "avx_vnni"} & set(flags))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +71,7 @@ def test_transformers_loads_each_auto_round_backbone_with_real_weights(exported,
             assert hasattr(layer, "qweight") or isinstance(layer, torch.nn.Linear), type(layer)
     with torch.no_grad():
         got = hf(inputs_embeds=x.to(hf.dtype), use_cache=False).logits.float()
-    max_rel, min_top1 = DTYPES[dtype]
+    max_rel, min_top1 = INT8_ACTIVATIONS if _int8_activations(hf) and dtype != "bfloat16" else DTYPES[dtype]
     rel = ((got - ours).norm() / ours.norm()).item()
     top1 = (got.argmax(-1) == ours.argmax(-1)).float().mean().item()
     assert rel < max_rel and top1 >= min_top1, (rel, top1)
@@ -134,16 +144,22 @@ def test_export_names_what_the_runtimes_lack(shipped, capsys):
 def test_the_whole_generator_runs_with_the_transformers_backbone(exported, shipped, profile):
     """What a MOSS user runs beside transformers (README snippet): the exported backbone, the bundle's
     BF16 audio embeddings and heads as plain modules, the delay-pattern step of pipelines.generate.
-    Greedy codes equal our loader's, frame by frame."""
+    Greedy codes equal our loader's, frame by frame (where the CPU kernel quantizes activations to int8:
+    the same length and at least 90% of the codes)."""
     from pipelines.generate import generate, special_ids
 
     dest, _, _ = exported(profile)
     bundle = shipped(profile).bundle
     ours = load_bundle(bundle, dtype=torch.float32)
     hybrid = load_bundle(bundle, dtype=torch.float32)
-    hybrid.language_model = load_hf(dest, torch.float32)[0].model  # embed_tokens + blocks + norm
+    hf = load_hf(dest, torch.float32)[0]
+    hybrid.language_model = hf.model  # embed_tokens + blocks + norm
     ids = special_ids(ours.config.raw)
     prompt = torch.full((6, 1 + ours.config.n_vq), ours.config.audio_pad_code)
     prompt[:, 0] = torch.tensor([ids["im_start_token_id"], 72, 105, 33, ids["im_end_token_id"], ids["audio_start_token_id"]])
     want, got = generate(ours, prompt, 40, ids), generate(hybrid, prompt, 40, ids)
-    assert len(want) == len(got) >= 20 and torch.equal(got, want)
+    assert len(want) == len(got) >= 20
+    if _int8_activations(hf):
+        assert (got == want).float().mean().item() >= 0.9
+    else:
+        assert torch.equal(got, want)
