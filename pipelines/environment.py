@@ -82,7 +82,8 @@ def portable_cpu_attention() -> None:
     torch's math path instead (recorded in the fingerprint as flash_sdp: false)."""
     import torch
 
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" and torch.cpu._is_avx512_bf16_supported():
+    bf16_units = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()  # private: absent in some builds
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" and bf16_units:
         torch.backends.cuda.enable_flash_sdp(False)  # the flag SDPA's backend choice reads on CPU too
 
 

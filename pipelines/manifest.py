@@ -7,7 +7,6 @@ the build order lives beside the bundles, in `<model>/<profile>/index.json`, app
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from .atomic import atomic_file

@@ -132,8 +132,9 @@ def pack_table(iw: IntWeight) -> dict[str, torch.Tensor]:
     return {part: torch.from_numpy(pack(iw, part.upper()))}
 
 
-def unpack_table(parts: dict[str, torch.Tensor], bits: int, group_size: int = BLOCK, sym: bool = True) -> IntWeight:
-    """The inverse of pack_table (ggml-common.h's layouts read back into our grid)."""
+def unpack(parts: dict[str, torch.Tensor], bits: int, group_size: int = BLOCK, sym: bool = True) -> IntWeight:
+    """The inverse of pack_table (ggml-common.h's layouts read back into our grid); the format protocol's
+    unpack (a table's PackedWeight dequantizes through it). Its `pack` is the block writer above."""
     part = part_of(bits)
     raw = parts[part].numpy()
     rows, n = raw.shape[0], raw.shape[1] // TYPE_BYTES[part.upper()]
@@ -147,10 +148,6 @@ def unpack_table(parts: dict[str, torch.Tensor], bits: int, group_size: int = BL
     zero = 2 ** (bits - 1)
     q = torch.from_numpy(rel.reshape(rows, n * BLOCK) + zero).to(torch.int32)
     return IntWeight(q, torch.from_numpy(d), torch.full((rows, n), zero, dtype=torch.int32), bits, BLOCK, True)
-
-
-def unpack(parts, bits, group_size, sym):  # the format protocol (quantizers.formats.PackedWeight)
-    return unpack_table(parts, bits, group_size, sym)
 
 
 def codes(iw: IntWeight) -> torch.Tensor:
