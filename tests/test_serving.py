@@ -144,8 +144,9 @@ def test_export_names_what_the_runtimes_lack(shipped, capsys):
 def test_the_whole_generator_runs_with_the_transformers_backbone(exported, shipped, profile):
     """What a MOSS user runs beside transformers (README snippet): the exported backbone, the bundle's
     BF16 audio embeddings and heads as plain modules, the delay-pattern step of pipelines.generate.
-    Greedy codes equal our loader's, frame by frame (where the CPU kernel quantizes activations to int8:
-    the same length and at least 90% of the codes)."""
+    Greedy codes equal our loader's, frame by frame. Where the CPU kernel quantizes activations to int8,
+    free-running greedy codes part at the first near-tie and never meet again, so there each step's
+    choice of every head is compared on our loader's sequence (teacher-forced): at least 90% agree."""
     from pipelines.generate import generate, special_ids
 
     dest, _, _ = exported(profile)
@@ -158,8 +159,15 @@ def test_the_whole_generator_runs_with_the_transformers_backbone(exported, shipp
     prompt = torch.full((6, 1 + ours.config.n_vq), ours.config.audio_pad_code)
     prompt[:, 0] = torch.tensor([ids["im_start_token_id"], 72, 105, 33, ids["im_end_token_id"], ids["audio_start_token_id"]])
     want, got = generate(ours, prompt, 40, ids), generate(hybrid, prompt, 40, ids)
-    assert len(want) == len(got) >= 20
-    if _int8_activations(hf):
-        assert (got == want).float().mean().item() >= 0.9
-    else:
+    assert len(want) >= 20 and len(got) >= 20
+    if not _int8_activations(hf):
         assert torch.equal(got, want)
+        return
+    seq = torch.cat([prompt, want])[None]
+
+    def choices(model):
+        with torch.no_grad():
+            h = model.language_model(inputs_embeds=model.embed(seq), use_cache=False).last_hidden_state
+            return torch.stack([head.argmax(-1) for head in model.heads(h)], -1)[0, len(prompt) - 1:-1]
+
+    assert (choices(hybrid) == choices(ours)).float().mean().item() >= 0.9
