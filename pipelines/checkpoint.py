@@ -5,10 +5,11 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from .errors import PipelineError
 
@@ -17,13 +18,34 @@ INDEX = "model.safetensors.index.json"
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+CODES = {t: code for code, t in DTYPES.items()}
+# safetensors' serializer writes tensors by dtype, its enum's order descending, then by name: written
+# in that order a streamed file has the bytes `save_file` gives (tests/test_checkpoint_write.py)
+ENUM_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor to write, read only when its turn comes: a file holds one tensor in memory at a time."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "Lazy":
+        return Lazy(t.dtype, tuple(t.shape), lambda: t)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 READ_CHUNK = 1 << 30  # one read() call returns at most ~2 GiB on Linux
 
 
 class Checkpoint:
     """Tensor-by-tensor access to a snapshot folder; nothing is read until asked for."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, single: str = "model.safetensors"):
         self.root = Path(root)
         self._headers: dict[str, tuple[dict, int]] = {}
         index = self.root / INDEX
@@ -33,9 +55,9 @@ class Checkpoint:
             except (ValueError, KeyError) as e:
                 raise PipelineError(f"{index}: not a safetensors index ({e})") from None
         else:
-            single = self.root / "model.safetensors"
+            single = self.root / single
             if not single.exists():
-                raise PipelineError(f"{self.root}: no {INDEX} or model.safetensors")
+                raise PipelineError(f"{self.root}: no {INDEX} or {single.name}")
             self.weight_map = {k: single.name for k in self._header(single.name)[0]}
 
     def config(self) -> dict:
@@ -57,6 +79,10 @@ class Checkpoint:
             except FileNotFoundError:
                 raise PipelineError(f"{self.root / fname}: shard missing (named in {INDEX})") from None
         return self._headers[fname]
+
+    def lazy(self, name: str) -> Lazy:
+        info = self._header(self.weight_map[name])[0][name]
+        return Lazy(DTYPES[info["dtype"]], tuple(info["shape"]), lambda: self.get(name, check_finite=False))
 
     def get(self, name: str, check_finite: bool = True) -> torch.Tensor:
         if name not in self.weight_map:
@@ -142,14 +168,39 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_sharded(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int, metadata=None) -> list[str]:
-    """Write tensors as sorted shards (+ index when more than one). Returns the file names."""
-    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+def write_safetensors(path: Path, tensors: dict[str, "Lazy | torch.Tensor"], metadata: dict | None = None) -> None:
+    """A safetensors file written tensor by tensor (the bytes `save_file` would write, without
+    holding the whole file, twice, in memory as it does)."""
+    entries = {k: v if isinstance(v, Lazy) else Lazy.of(v) for k, v in tensors.items()}
+    order = sorted(entries, key=lambda k: (-ENUM_ORDER.index(CODES[entries[k].dtype]), k))
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
+    for k in order:
+        e = entries[k]
+        header[k] = {"dtype": CODES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for k in order:
+            t, e = entries[k].read(), entries[k]
+            if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+                raise PipelineError(f"{path}: tensor {k} came as {t.dtype} {list(t.shape)}, "
+                                    f"expected {e.dtype} {list(e.shape)}")
+            f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t
+
+
+def write_sharded(folder: Path, tensors: dict[str, "Lazy | torch.Tensor"], max_shard_bytes: int, metadata=None) -> list[str]:
+    """Write tensors as sorted shards (+ index when more than one), one tensor in memory at a time.
+    Returns the file names."""
+    tensors = {k: v if isinstance(v, Lazy) else Lazy.of(v) for k, v in tensors.items()}
+    sizes = {k: v.nbytes for k, v in tensors.items()}
     plan = shard_plan(sizes, max_shard_bytes)
     names = shard_names(len(plan))
     weight_map = {}
     for fname, keys in zip(names, plan):
-        save_file({k: tensors[k].contiguous() for k in keys}, str(folder / fname), metadata=metadata or {"format": "pt"})
+        write_safetensors(folder / fname, {k: tensors[k] for k in keys}, metadata or {"format": "pt"})
         weight_map.update({k: fname for k in keys})
     if len(names) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}

@@ -123,7 +123,7 @@ def same_payload(a: Path, b: Path) -> bool:
 def run(ctx, params: ExportParams, out: Path) -> dict:
     from .stages import code_version
 
-    tensors, meta = load_quantized(ctx.dirs["quantize"])
+    stored, meta = load_quantized(ctx.dirs["quantize"])
     ckpt = ctx.checkpoint()
     stage_keys = {k: v for k, v in ctx.keys.items() if k != "export"}
     version = version_id(stage_keys)
@@ -134,7 +134,7 @@ def run(ctx, params: ExportParams, out: Path) -> dict:
     environment = ctx.environments["quantize"]  # where the weights were made
 
     def build(tmp: Path):
-        write_sharded(tmp, tensors, params.shard_size_mb << 20)
+        write_sharded(tmp, {k: stored.lazy(k) for k in stored.keys()}, params.shard_size_mb << 20)
         config = dict(ckpt.config())
         config.update(meta["config"], quantization_config=meta["quantization_config"])
         (tmp / "config.json").write_text(canonical_json(config, indent=2))

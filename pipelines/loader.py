@@ -5,6 +5,7 @@ Works from the `quantization_config` alone, as ecosystem loaders do: the format 
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -80,8 +81,9 @@ def stage_view(folder: Path) -> DequantizingView:
     """The quantize stage's output (pipelines/quantize.py) as a view."""
     from .quantize import load
 
-    tensors, meta = load(folder)
-    return DequantizingView(tensors.__getitem__, tensors.keys(), meta["quantization_config"], "quantize stage")
+    stored, meta = load(folder)
+    return DequantizingView(partial(stored.get, check_finite=False), stored.keys(), meta["quantization_config"],
+                            "quantize stage")
 
 
 def codec_decoder(cfg, view: DequantizingView, dtype=torch.bfloat16, where: str = "bundle"):

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from quantizers.autoround import AutoRoundConfig
 from quantizers.awq import AWQConfig
@@ -24,7 +23,7 @@ from quantizers.fp8 import FP8Config
 from quantizers.rtn import RTNConfig, quantize_rtn
 from quantizers.sensitivity import SensitivityConfig
 
-from .checkpoint import canonical_json
+from .checkpoint import Checkpoint, Lazy, canonical_json, write_safetensors
 from .errors import PipelineError
 from .methods import autoround, awq, fp8, rtn, sensitivity
 from .methods.weights import Weights
@@ -89,7 +88,7 @@ def run(ctx, params: QuantizeParams, out: Path) -> dict:
     if params.tables:
         quantize_tables(ctx, weights, params.tables)
     tensors, layout = assemble(ctx, weights)
-    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(out / TENSORS))
+    write_safetensors(out / TENSORS, tensors)
     for name, data in weights.files.items():
         (out / name).write_bytes(data)
     meta = {"method": params.method, "quantization_config": weights.quantization_config, "layout": layout,
@@ -119,9 +118,9 @@ def quantize_tables(ctx, w: Weights, tables: dict[str, int]) -> None:
                            for k, b in tables.items()}
 
 
-def assemble(ctx, w: Weights) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+def assemble(ctx, w: Weights) -> tuple[dict[str, Lazy], dict[str, dict]]:
     """Stored tensors and the per-source-tensor layout record: packed Linears as their parts,
-    everything else BF16 with the reason it is kept."""
+    everything else BF16 with the reason it is kept (read from the source as it is written)."""
     ckpt, definition = ctx.checkpoint(), ctx.definition
     tensors, layout = {}, {}
     for name in (w.kept if w.kept is not None else ckpt.keys()):
@@ -129,16 +128,21 @@ def assemble(ctx, w: Weights) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
         if module in w.packed:
             pw = w.packed[module]
             for part, t in pw.parts.items():
-                tensors[f"{module}.{part}"] = t
+                tensors[f"{module}.{part}"] = Lazy.of(t)
             entry = {"format": pw.format, "bits": pw.bits, "stored": sorted(f"{module}.{p}" for p in pw.parts)}
             entry.update(pw.spec.layout_record(pw))
             layout[name] = entry
         else:
-            tensors[name] = (w.replaced[name] if name in w.replaced else ckpt.get(name)).to(torch.bfloat16)
+            if name in w.replaced:
+                tensors[name] = Lazy.of(w.replaced[name].to(torch.bfloat16))
+            else:
+                tensors[name] = Lazy(torch.bfloat16, tuple(ckpt.shape(name)),
+                                     lambda name=name: ckpt.get(name).to(torch.bfloat16))
             layout[name] = {"format": "bf16", "bits": 16, "stored": [name],
                             "reason": w.reasons.get(name) or definition.reason(name)}
     return tensors, layout
 
 
-def load(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    return load_file(str(folder / TENSORS)), json.loads((folder / META).read_text())
+def load(folder: Path) -> tuple[Checkpoint, dict]:
+    """The stage's stored tensors (read one at a time, on demand) and its record."""
+    return Checkpoint(folder, single=TENSORS), json.loads((folder / META).read_text())

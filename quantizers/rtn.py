@@ -36,9 +36,6 @@ class IntWeight:
     group_size: int
     sym: bool
 
-    def to_cpu(self) -> "IntWeight":
-        return IntWeight(self.q.cpu(), self.scales.cpu(), self.zeros.cpu(), self.bits, self.group_size, self.sym)
-
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scales, self.zeros, self.group_size).to(dtype)
 

@@ -24,7 +24,7 @@ def _pack_cols(v: torch.Tensor) -> torch.Tensor:
     if cols % 8:
         raise QuantizerError(f"AWQ GEMM packing needs an output width divisible by 8, got {cols}")
     v = v.to(torch.int64).reshape(rows, cols // 8, 8)
-    word = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    word = torch.zeros(rows, cols // 8, dtype=torch.int64, device=v.device)
     for slot, src in enumerate(AWQ_ORDER):
         word |= (v[..., src] & 0xF) << (4 * slot)
     return (word - ((word >> 31) << 32)).to(torch.int32)
@@ -33,7 +33,7 @@ def _pack_cols(v: torch.Tensor) -> torch.Tensor:
 def _unpack_cols(words: torch.Tensor) -> torch.Tensor:
     rows, c8 = words.shape
     w = words.to(torch.int64) & 0xFFFFFFFF
-    out = torch.empty(rows, c8, 8, dtype=torch.int64)
+    out = torch.empty(rows, c8, 8, dtype=torch.int64, device=words.device)
     for slot, src in enumerate(AWQ_ORDER):
         out[..., src] = (w >> (4 * slot)) & 0xF
     return out.reshape(rows, c8 * 8).to(torch.int32)
@@ -42,11 +42,11 @@ def _unpack_cols(words: torch.Tensor) -> torch.Tensor:
 def pack(iw: IntWeight) -> dict[str, torch.Tensor]:
     if iw.bits != 4:
         raise QuantizerError(f"AWQ GEMM packing is 4-bit only, got bits={iw.bits}")
-    iw = iw.to_cpu()
+    # packed where the integers are (integer ops: the same words on any device), stored on the host
     return {
-        "qweight": _pack_cols(iw.q.t().contiguous()),  # [in, out/8]
-        "qzeros": _pack_cols(iw.zeros.t().contiguous()),  # [groups, out/8]
-        "scales": iw.scales.t().contiguous().to(torch.float16),
+        "qweight": _pack_cols(iw.q.t().contiguous()).cpu(),  # [in, out/8]
+        "qzeros": _pack_cols(iw.zeros.t().contiguous()).cpu(),  # [groups, out/8]
+        "scales": iw.scales.t().contiguous().to(torch.float16).cpu(),
     }
 
 

@@ -29,7 +29,7 @@ def _pack_stream(values: torch.Tensor, bits: int) -> torch.Tensor:
     if n % 32:
         raise QuantizerError(f"cannot pack {n} rows: needs a multiple of 32")
     v = values.to(torch.int64).reshape(n // 32, 32, m)
-    words = torch.zeros(n // 32, bits, m, dtype=torch.int64)
+    words = torch.zeros(n // 32, bits, m, dtype=torch.int64, device=values.device)
     for j in range(32):
         w, s = divmod(j * bits, 32)
         words[:, w] |= (v[:, j] << s) & 0xFFFFFFFF
@@ -42,7 +42,7 @@ def _pack_stream(values: torch.Tensor, bits: int) -> torch.Tensor:
 def _unpack_stream(words: torch.Tensor, bits: int) -> torch.Tensor:
     rows, m = words.shape
     w = (words.to(torch.int64) & 0xFFFFFFFF).reshape(rows // bits, bits, m)
-    out = torch.empty(rows // bits, 32, m, dtype=torch.int64)
+    out = torch.empty(rows // bits, 32, m, dtype=torch.int64, device=words.device)
     mask = (1 << bits) - 1
     for j in range(32):
         k, s = divmod(j * bits, 32)
@@ -54,12 +54,12 @@ def _unpack_stream(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack(iw: IntWeight) -> dict[str, torch.Tensor]:
-    iw = iw.to_cpu()
+    """Packed where the integers are (integer ops: the same words on any device), stored on the host."""
     zeros = (iw.zeros.to(torch.int64) - 1) & ((1 << iw.bits) - 1)  # v1 stores zeros minus one
     return {
-        "qweight": _pack_stream(iw.q.t().contiguous(), iw.bits),
-        "qzeros": _pack_stream(zeros, iw.bits).t().contiguous(),  # packed along `out`
-        "scales": iw.scales.t().contiguous().to(torch.float16),
+        "qweight": _pack_stream(iw.q.t().contiguous(), iw.bits).cpu(),
+        "qzeros": _pack_stream(zeros, iw.bits).t().contiguous().cpu(),  # packed along `out`
+        "scales": iw.scales.t().contiguous().to(torch.float16).cpu(),
     }
 
 
