@@ -83,7 +83,7 @@ class Step:
     fp_in: torch.Tensor  # (N, S, H) fp-stream input (host)
     fp_out: torch.Tensor  # the source block's output on fp_in (host)
     quant_in: torch.Tensor | None  # quant-stream input (host), when the hook reads that stream
-    captured: dict[str, torch.Tensor]  # Linear name -> its inputs on the fp stream (device)
+    captured: dict[str, torch.Tensor]  # Linear name -> its inputs on the fp stream (device; host if capture_on_host)
     position_embeddings: tuple
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # the engine's batched forward of a block
 
@@ -91,6 +91,7 @@ class Step:
 class BlockHook(Protocol):
     streams: tuple[str, ...]  # FP, and QUANT if the hook reads the quantized stream
     capture: tuple[str, ...]  # Linear names (relative to the block) whose fp-stream inputs it needs
+    # capture_on_host (optional, default False): keep those inputs on the host, not the device
     # Or, instead of keeping inputs: `observed` names and `observe(block, name, batch_input)`.
 
     def on_block(self, step: Step) -> torch.Tensor | None: ...
@@ -183,7 +184,9 @@ class Engine:
         for i in progress(range(start, n), desc=self.desc, unit="block", total=n, initial=start):
             layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
             stores = {name: [] for name in hook.capture}
-            observe = {name: store.append for name, store in stores.items()}
+            keep = "cpu" if getattr(hook, "capture_on_host", False) else None  # the hook moves what it reads
+            observe = {name: (store.append if keep is None else lambda x, store=store: store.append(x.to(keep)))
+                       for name, store in stores.items()}
             if hasattr(hook, "observe"):  # statistics accumulated per batch instead of inputs kept
                 observe = {name: (lambda x, name=name: hook.observe(name, x)) for name in hook.observed}
             fp_out = self.forward(layer, fp, pos, observe)

@@ -206,15 +206,24 @@ def apply_clips(layer: nn.Module, clips: list) -> None:
         w.copy_(torch.clamp(w.reshape(*max_val.shape[:2], -1), -max_val, max_val).reshape(w.shape))
 
 
+CLIP_TOKENS = 512  # autoawq's n_sample_token for the clip search
+
+
+def clip_tokens(x: torch.Tensor, n_tokens: int = CLIP_TOKENS) -> torch.Tensor:
+    """The tokens autoawq scores a clip on: every (n/512)-th of the flattened inputs. Sampling again
+    what this returns takes every token (the step of a sample's sample is 1)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x[:: max(1, x.shape[0] // n_tokens)]
+
+
 @torch.no_grad()
 def search_clip(cfg: AWQConfig, w: torch.Tensor, x: torch.Tensor, n_grid: int = 20, max_shrink: float = 0.5,
-                n_tokens: int = 512, rows: int = 1024) -> torch.Tensor:
-    """autoawq's per-group clip (max |w| shrunk by i/20, i < 10, lowest output MSE on every
-    (n/512)-th token), each shrink scored for all groups and rows in one batched matmul. [out, groups, 1]."""
+                n_tokens: int = CLIP_TOKENS, rows: int = 1024) -> torch.Tensor:
+    """autoawq's per-group clip (max |w| shrunk by i/20, i < 10, lowest output MSE on `clip_tokens`
+    of x), each shrink scored for all groups and rows in one batched matmul. [out, groups, 1]."""
     gs = cfg.group_size
     out_f, in_f = w.shape
-    x = x.reshape(-1, in_f)
-    x = x[:: max(1, x.shape[0] // n_tokens)]
+    x = clip_tokens(x, n_tokens).to(w.device)
     xg = x.reshape(x.shape[0], -1, gs).transpose(0, 1)  # [groups, tokens, gs]
     best_all = []
     for r0 in range(0, out_f, rows):
@@ -267,15 +276,22 @@ def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict,
         clips = q._search_best_clip(layer, named, feats) if q.apply_clip else []
         apply_clip(layer, clips)
         return scales, clips
+    # `feats` may be on the host (the engine keeps them there on a GPU): one group's inputs go to the
+    # device at a time, and the clip search reads only its 512 sampled tokens of each
+    device = next(layer.parameters()).device
     scales = []
     for g in groups:
         module = layer.get_submodule(g.inspect) if g.inspect else named[g.linears[0]]
         takes = signature(module.forward).parameters  # the block's kwargs the module accepts (autoawq's rule)
         inspect = partial(module, **{k: v for k, v in kwargs.items() if k in takes})
-        scales.append((g.prev, g.linears, search_scale(cfg, [named[n] for n in g.linears], inspect, feats[g.linears[0]])))
-    apply_scales(layer, scales, feats)
+        x = feats[g.linears[0]].to(device)
+        scales.append((g.prev, g.linears, search_scale(cfg, [named[n] for n in g.linears], inspect, x)))
+        del x
+    sampled = {}  # one sample per captured tensor, shared as the tensor is (q/k/v, gate/up)
+    samples = {n: sampled.setdefault(id(feats[n]), clip_tokens(feats[n]).to(device, copy=True)) for n in linears}
+    apply_scales(layer, scales, samples)  # elementwise: sampling then dividing = dividing then sampling
     # autoawq's rule: no clipping of q/k (through the q.k product the output MSE is a poor guide)
-    clips = [(n, search_clip(cfg, named[n].weight, feats[n])) for n in linears
+    clips = [(n, search_clip(cfg, named[n].weight, samples[n])) for n in linears
              if cfg.apply_clip and not any(t in n for t in ("q_", "k_"))]
     apply_clips(layer, clips)
     return scales, clips

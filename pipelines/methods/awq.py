@@ -103,6 +103,9 @@ class AWQHook:
 
     def __init__(self, q, cfg: AWQConfig, plan: list[list[Group]], log):
         self.q, self.cfg, self.plan, self.log = q, cfg, plan, log
+        # our search moves one group's inputs to the device at a time (a block's are 3.2 GB at 128 x 512
+        # tokens); autoawq's own functions are handed them where the block is
+        self.capture_on_host = cfg.search == "ours"
         self.packed, self.folded, self.blocks = {}, {}, []
 
     def on_block(self, step: Step) -> None:
