@@ -120,11 +120,11 @@ def compare(config: dict, ref_get, quant_get, ids: torch.Tensor, device="cpu", b
     }
 
 
-def rtn_getter(get, layout: dict):
-    """Source weights with every quantized tensor replaced by RTN on its own stored grid."""
+def rtn_getter(get, layout: dict, device: str = "cpu"):
+    """Source weights with every quantized tensor replaced by RTN on its own stored grid (computed on `device`)."""
     grids = {name: RTNConfig(e["bits"], e["group_size"], e["sym"]) for name, e in layout.items()
              if e["format"] in ("gptq", "awq")}
-    return lambda name: fake_quantize(get(name).float(), grids[name]) if name in grids else get(name)
+    return lambda name: fake_quantize(get(name).to(device).float(), grids[name]) if name in grids else get(name)
 
 
 def run(ctx, params: EvaluateParams, out: Path) -> dict:
@@ -135,10 +135,10 @@ def run(ctx, params: EvaluateParams, out: Path) -> dict:
 
     ckpt = ctx.checkpoint()
     config = ckpt.config()
-    view = stage_view(ctx.dirs["quantize"])
+    device = resolve_device("auto")
+    view = stage_view(ctx.dirs["quantize"], device)
     scorers = load_scorers(params.scorers, f"{ctx.profile.path}: stages.evaluate.scorers")  # fail before the long part
     held = build(params.dataset, config, params.nsamples, params.seqlen, ctx.snapshot)
-    device = resolve_device("auto")
     tokens = GreedyTokens(held.ids) if scorers else None
     metrics = compare(config, ckpt.get, view, held.ids, device=device, batch_size=params.batch_size, on_logits=tokens)
     if scorers:
@@ -156,6 +156,6 @@ def run(ctx, params: EvaluateParams, out: Path) -> dict:
         meta = json.loads((ctx.dirs["quantize"] / META).read_text())  # the layout only: tensors are in `view`
         result["baseline"] = {
             "method": "rtn", "what": "round-to-nearest on each quantized tensor's own grid (bits, group size, symmetry)",
-            "metrics": compare(config, ckpt.get, rtn_getter(ckpt.get, meta["layout"]), held.ids, device=device,
+            "metrics": compare(config, ckpt.get, rtn_getter(ckpt.get, meta["layout"], device), held.ids, device=device,
                                batch_size=params.batch_size)}
     return result

@@ -5,6 +5,7 @@ Works from the `quantization_config` alone, as ecosystem loaders do: the format 
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from pathlib import Path
 
@@ -20,11 +21,16 @@ from .models import moss_audio_tokenizer as codec_model
 from .models.moss_tts_delay import MossTTSDelay, MossTTSDelayConfig, build_empty, load_state
 
 
+INTEGER_FORMATS = ("awq", "gptq")
+
+
 class DequantizingView:
     """A getter over stored tensors that returns source-named weights, dequantized (float32)."""
 
-    def __init__(self, get, keys, quantization_config: dict | None, where: str = "bundle"):
-        self._get, self.where = get, where
+    def __init__(self, get, keys, quantization_config: dict | None, where: str = "bundle", device: str = "cpu"):
+        # device: where integer Linears are unpacked and dequantized (integer ops and one rounding
+        # per element: the same values on any device); what is read stays on the host
+        self._get, self.where, self.device = get, where, device
         self.qc = quantization_config or {}
         try:
             self.fmt = for_config(self.qc)
@@ -46,7 +52,10 @@ class DequantizingView:
         try:
             if module in self.tables:
                 return table(module, self.tables[module], self._get)
-            return stored(self.fmt, module, self._get, self.qc)
+            pw = stored(self.fmt, module, self._get, self.qc)
+            if self.device != "cpu" and pw.format in INTEGER_FORMATS:
+                pw = dataclasses.replace(pw, parts={k: v.to(self.device) for k, v in pw.parts.items()})
+            return pw
         except (QuantizerError, KeyError) as e:
             raise PipelineError(f"{self.where}: tensor {module}: {e}") from None
 
@@ -77,13 +86,13 @@ def bundle_view(path: Path) -> tuple[DequantizingView, dict]:
                              str(path)), config)
 
 
-def stage_view(folder: Path) -> DequantizingView:
+def stage_view(folder: Path, device: str = "cpu") -> DequantizingView:
     """The quantize stage's output (pipelines/quantize.py) as a view."""
     from .quantize import load
 
     stored, meta = load(folder)
     return DequantizingView(partial(stored.get, check_finite=False), stored.keys(), meta["quantization_config"],
-                            "quantize stage")
+                            "quantize stage", device)
 
 
 def codec_decoder(cfg, view: DequantizingView, dtype=torch.bfloat16, where: str = "bundle"):

@@ -56,3 +56,18 @@ def test_rtn_error_falls_with_bits_and_bad_groups_are_named():
     assert errs == sorted(errs, reverse=True) and errs[-1] < 0.05 * errs[0]
     with pytest.raises(QuantizerError, match=r"layer.x.weight: group_size=96 does not divide the input width 256"):
         quantize_rtn(w, RTNConfig(4, 96), name="layer.x.weight")
+
+
+@pytest.mark.parametrize("fmt,bits,sym", [("awq", 4, False), ("gptq", 3, True), ("gptq", 2, False)])
+def test_packing_and_dequantizing_stay_on_the_integers_device(fmt, bits, sym):
+    """On a GPU, packing (quantize stage) and dequantizing (evaluate) run where the integers are; a
+    tensor made on the host in between would fail on the 'meta' device, as it would be slow on a GPU."""
+    from quantizers.formats import PackedWeight, pack
+    from quantizers.rtn import RTNConfig, quantize_rtn
+
+    cfg = RTNConfig(bits, 64, sym)
+    pw = pack(quantize_rtn(torch.randn(128, 256), cfg), fmt)
+    on_meta = PackedWeight(pw.format, {k: v.to("meta") for k, v in pw.parts.items()}, pw.bits, pw.group_size, pw.sym)
+    assert on_meta.dequantize().device.type == "meta"
+    with pytest.raises(NotImplementedError, match="meta"):  # only the final copy to the host is refused
+        pack(quantize_rtn(torch.randn(128, 256, device="meta"), cfg), fmt)
