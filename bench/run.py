@@ -230,12 +230,13 @@ def fmt(v) -> str:
 
 def markdown(report: dict) -> str:
     n = report["layers"]
+    how = "measured" if n == FULL_BLOCKS else "extrapolated"
     lines = [f"GPU: {report['gpu']}  ", f"Command: `{report['command']}`  ",
              f"Generator: {report['model']} with {n} of {FULL_BLOCKS} blocks at full width; codec: {report['codec']}  ",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
              "### Per stage (measured)", "",
              "| run | stage | wall s | GPU peak allocated GiB | GPU peak reserved GiB | peak RSS GiB "
-             f"| wall s, {FULL_BLOCKS} blocks (extrapolated) |",
+             f"| wall s, {FULL_BLOCKS} blocks ({how}) |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for name, run in report["runs"].items():
         if "stages" not in run:
@@ -252,7 +253,7 @@ def markdown(report: dict) -> str:
               "scaled too, so it over-estimates); other stages as measured. Anchor `load` is not scaled.", "",
               "### Ours vs the anchors (quantize stage vs the library's `quantize()`)", "",
               "| profile | anchor | ours s | anchor s | ratio ours/anchor | ours s/block | anchor s/block "
-              f"| ours s, {FULL_BLOCKS} blocks (extrapolated) | anchor s, {FULL_BLOCKS} blocks (extrapolated) |",
+              f"| ours s, {FULL_BLOCKS} blocks ({how}) | anchor s, {FULL_BLOCKS} blocks ({how}) |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in report["comparisons"]:
         lines.append(f"| {c['profile']} | {fmt(c['anchor'])} | {c['ours_quantize_s']} | {fmt(c.get('anchor_quantize_s'))} "

@@ -148,8 +148,8 @@ def search_scale(cfg: AWQConfig, linears: list[nn.Linear], inspect, x: torch.Ten
     w = torch.cat([m.weight for m in linears])
     g = w.reshape(-1, gs).abs()
     w_mean = (g / (g.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
-    flat = x.reshape(-1, x.shape[-1])
-    x_mean = (flat.abs().float().sum(0) / flat.shape[0]).to(x.dtype)
+    flat = x.reshape(-1, x.shape[-1])  # the mean |x| by chunks: a float32 copy of a down_proj input is 3.2 GB
+    x_mean = (sum(c.abs().float().sum(0) for c in flat.split(cfg.chunk_tokens)) / flat.shape[0]).to(x.dtype)
     per = max(1, cfg.chunk_tokens // x.shape[1]) if x.dim() == 3 else cfg.chunk_tokens
     chunks = torch.split(x, per)
     ref = [_out(inspect(c)) for c in chunks]
