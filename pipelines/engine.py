@@ -105,6 +105,8 @@ class ResumableHook(BlockHook, Protocol):
 
     def restore_block(self, index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None: ...
 
+    # optional: map_block(index, tensors): swap block `index`'s tensors for these views of its saved file
+
 
 @dataclass
 class Engine:
@@ -201,4 +203,6 @@ class Engine:
             del layer
             if ckpt is not None:
                 ckpt.save(i, hook, fp, quant)
+                if hasattr(hook, "map_block"):  # the hook's block-i results, now on disk, leave memory
+                    hook.map_block(i, ckpt.mapped(i))
         self.last = {FP: fp, QUANT: quant}

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .atomic import atomic_file
-from .checkpoint import canonical_json
+from .checkpoint import DTYPES, canonical_json, safetensors_header
 
 STREAMS = "streams.safetensors"
 
@@ -72,6 +72,16 @@ class BlockCheckpoint:
         if kind == "own":
             streams["quant"] = quant
         _write(self.folder / STREAMS, streams, {"block": str(i), "quant": kind})
+
+    def mapped(self, i: int) -> dict[str, torch.Tensor]:
+        """Block i's saved tensors as views of a private map of its file: pages are read when touched
+        (the quantize stage's streamed write), so 36 blocks of packed weights need not stay resident."""
+        path = self.folder / block_file(i)
+        header, base = safetensors_header(path)
+        data = torch.empty(0, dtype=torch.uint8).set_(
+            torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size))
+        return {k: data[base + v["data_offsets"][0]: base + v["data_offsets"][1]].view(DTYPES[v["dtype"]]).reshape(v["shape"])
+                for k, v in header.items()}
 
     def restore(self, hook, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
         """-> (first block to run, fp stream, quant stream): (0, fp, quant) when there is nothing

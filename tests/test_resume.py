@@ -103,3 +103,35 @@ def test_an_unreadable_partial_is_discarded_with_one_line_and_the_stage_restarts
     assert "resuming quantize" not in err and "awq block 0:" in err
     assert digests == reference("awq4")
     assert _leftovers(root) == []
+
+
+def test_a_checkpointed_blocks_packed_weights_leave_memory_for_their_file(tmp_path):
+    """After block i is saved, the hook's packed parts are views of the block file's private map (read
+    back when the stage writes its output), with the same bytes: 36 blocks need not stay resident."""
+    import torch
+
+    from pipelines.methods.weights import map_packed, packed_from_state, packed_state
+    from pipelines.resume import BlockCheckpoint
+    from quantizers.formats import pack
+    from quantizers.rtn import RTNConfig, quantize_rtn
+
+    names = [f"layers.0.{n}" for n in ("q", "k")]
+    packed = {n: pack(quantize_rtn(torch.randn(64, 128), RTNConfig(4, 64, False)), fmt)
+              for n, fmt in zip(names, ("awq", "gptq"))}
+    before = {n: {p: t.clone() for p, t in pw.parts.items()} for n, pw in packed.items()}
+
+    class Hook:
+        def block_state(self, i):
+            tensors, records = packed_state(packed, names)
+            return tensors, {"packed": records}
+
+    ckpt = BlockCheckpoint(tmp_path / "quantize" / "key.partial", print)
+    ckpt.folder.mkdir(parents=True)
+    ckpt.save(0, Hook(), torch.zeros(2, 3, 4), None)
+    map_packed(packed, ckpt.mapped(0))
+    size = (ckpt.folder / block_file(0)).stat().st_size
+    for n, pw in packed.items():
+        for p, t in pw.parts.items():
+            assert t.untyped_storage().nbytes() == size, (n, p)  # a view into the whole file, not a copy
+            assert torch.equal(t, before[n][p]) and t.dtype == before[n][p].dtype
+        assert torch.equal(pw.dequantize(), packed_from_state(*Hook().block_state(0))[n].dequantize())

@@ -17,7 +17,7 @@ from ..calibration import CALIB_FILE, load_ids
 from ..engine import FP, QUANT, Engine
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig, block_linear_names
-from .weights import Weights, packed_from_state, packed_state
+from .weights import Weights, map_packed, packed_from_state, packed_state
 
 
 def calibration_ids(ctx, cfg: AutoRoundConfig):
@@ -58,6 +58,9 @@ class AutoRoundHook:
         pre = f"{BLOCK_PREFIX}.{i}."
         tensors, records = packed_state(self.packed, [name for name in self.packed if name.startswith(pre)])
         return tensors, {"packed": records}
+
+    def map_block(self, i: int, tensors) -> None:
+        map_packed(self.packed, tensors)
 
     def restore_block(self, i: int, tensors, meta) -> None:
         self.packed.update(packed_from_state(tensors, meta["packed"]))

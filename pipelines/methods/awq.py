@@ -18,7 +18,7 @@ from ..checkpoint import Checkpoint
 from ..engine import FP, Engine, Step
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, INPUT_GROUPS, MossTTSDelayConfig
-from .weights import Weights, packed_from_state, packed_state
+from .weights import Weights, map_packed, packed_from_state, packed_state
 
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
@@ -134,6 +134,9 @@ class AWQHook:
         tensors, records = packed_state(self.packed, [pre + rel for rel in BLOCK_LINEARS])
         folded = {name: t for name, t in self.folded.items() if name.startswith(pre)}
         return {**tensors, **folded}, {"packed": records, "folded": list(folded), "record": self.blocks[i]}
+
+    def map_block(self, i: int, tensors) -> None:
+        map_packed(self.packed, tensors)
 
     def restore_block(self, i: int, tensors, meta) -> None:
         if len(self.blocks) != i:

@@ -38,3 +38,11 @@ def packed_state(packed: dict[str, PackedWeight], modules) -> tuple[dict[str, to
 def packed_from_state(tensors: dict[str, torch.Tensor], records: list[dict]) -> dict[str, PackedWeight]:
     return {r["module"]: PackedWeight(r["format"], {p: tensors[f"{r['module']}.{p}"] for p in r["parts"]},
                                       r["bits"], r["group_size"], r["sym"]) for r in records}
+
+
+def map_packed(packed: dict[str, PackedWeight], tensors: dict[str, torch.Tensor]) -> None:
+    """Swap the parts of the Linears a block checkpoint holds for its (file-mapped) copies: the same
+    bytes (tests/test_resume.py), no longer resident."""
+    for module in {name.rsplit(".", 1)[0] for name in tensors} & packed.keys():
+        pw = packed[module]
+        packed[module] = PackedWeight(pw.format, {p: tensors[f"{module}.{p}"] for p in pw.parts}, pw.bits, pw.group_size, pw.sym)
