@@ -134,4 +134,5 @@ def test_a_checkpointed_blocks_packed_weights_leave_memory_for_their_file(tmp_pa
         for p, t in pw.parts.items():
             assert t.untyped_storage().nbytes() == size, (n, p)  # a view into the whole file, not a copy
             assert torch.equal(t, before[n][p]) and t.dtype == before[n][p].dtype
-        assert torch.equal(pw.dequantize(), packed_from_state(*Hook().block_state(0))[n].dequantize())
+        tensors, meta = Hook().block_state(0)
+        assert torch.equal(pw.dequantize(), packed_from_state(tensors, meta["packed"])[n].dequantize())
