@@ -173,7 +173,8 @@ def write_safetensors(path: Path, tensors: dict[str, "Lazy | torch.Tensor"], met
     holding the whole file, twice, in memory as it does)."""
     entries = {k: v if isinstance(v, Lazy) else Lazy.of(v) for k, v in tensors.items()}
     order = sorted(entries, key=lambda k: (-ENUM_ORDER.index(CODES[entries[k].dtype]), k))
-    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
+    # metadata keys sorted: safetensors' own order is a Rust HashMap's, random per process
+    header, offset = ({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}), 0
     for k in order:
         e = entries[k]
         header[k] = {"dtype": CODES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}

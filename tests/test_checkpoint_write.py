@@ -20,12 +20,28 @@ def every_dtype() -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("metadata", [None, {"format": "pt", "block": "3", "state": '{"a": "é\\n"}'}])
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
 def test_the_streamed_file_has_save_files_bytes(tmp_path, metadata):
     tensors = every_dtype()
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata)
     write_safetensors(tmp_path / "ours.safetensors", tensors, metadata)
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
+def test_several_metadata_keys_are_written_sorted(tmp_path):
+    """save_file orders several metadata keys as a Rust HashMap does (random per process); ours
+    sorts them, so the bytes do not depend on the dict's order, and the rest is save_file's."""
+    import json
+
+    tensors, meta = every_dtype(), {"format": "pt", "block": "3", "state": '{"a": "é\\n"}'}
+    write_safetensors(tmp_path / "a.safetensors", tensors, meta)
+    write_safetensors(tmp_path / "b.safetensors", tensors, dict(reversed(meta.items())))
+    save_file(tensors, str(tmp_path / "ref.safetensors"), meta)
+    ours, ref = ((tmp_path / f).read_bytes() for f in ("a.safetensors", "ref.safetensors"))
+    assert ours == (tmp_path / "b.safetensors").read_bytes()
+    n = int.from_bytes(ours[:8], "little")
+    assert list(json.loads(ours[8:8 + n])["__metadata__"]) == sorted(meta)
+    assert json.loads(ours[8:8 + n]) == json.loads(ref[8:8 + n]) and ours[8 + n:] == ref[8 + n:]
 
 
 def test_tensors_are_read_one_at_a_time_and_checked(tmp_path):
