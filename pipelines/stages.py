@@ -159,7 +159,9 @@ def run_stages(ctx: RunContext, stages: dict[str, StageSpec], use_cache: bool = 
         ctx.environments[name] = json.loads(env_file.read_text()) if env_file.exists() else fingerprint(ctx.device)
         ctx.stats[name] = _stats_end(started)
         if not cached:
-            ctx.log(f"stage {name}: done in {ctx.stats[name]['wall_s']:.1f} s")
+            st = ctx.stats[name]  # the peaks too, so a run cut off later still told them
+            gpu = f", GPU allocated {st['gpu_peak_allocated_gib']:.2f} GiB" if "gpu_peak_allocated_gib" in st else ""
+            ctx.log(f"stage {name}: done in {st['wall_s']:.1f} s (peak host RSS {st['peak_rss_gib']:.2f} GiB{gpu})")
     return ctx
 
 
