@@ -34,4 +34,5 @@ def test_smoke_records_every_profile_and_the_anchors_in_the_same_run(tmp_path):
         assert report["runs"][anchor].get("stages", {}).get("quantize"), f"{anchor}: {report['runs'][anchor]}"
         row = next(c for c in report["comparisons"] if c["anchor"] == anchor)
         assert row["profile"] == profile and row["ratio"] > 0
+        assert row["ratio_with_load"] < row["ratio"]  # the anchor's load (reading, library setup) counted too
         assert f"{profile}: quantize wall <= " in "".join(targets) and f"| {profile} | {anchor} |" in proc.stdout
