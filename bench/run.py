@@ -159,6 +159,17 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool) -> dict:
 
 # ---------------------------------------------------------------- figures
 
+def median_run(tries: list[dict]) -> dict:
+    """The run whose quantize stage took the median time (a failure wins: it is reported), with
+    every run's quantize wall beside it."""
+    failed = [t for t in tries if "stages" not in t]
+    if failed:
+        return failed[0]
+    walls = [t["stages"]["quantize"]["wall_s"] for t in tries]
+    med = sorted(range(len(tries)), key=walls.__getitem__)[(len(tries) - 1) // 2]
+    return {**tries[med], "quantize_wall_s_runs": walls} if len(tries) > 1 else tries[0]
+
+
 def totals(stages: dict) -> dict:
     """Sum of stage walls; the largest of each peak."""
     keys = ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib", "peak_rss_gib")
@@ -237,7 +248,9 @@ def markdown(report: dict) -> str:
     how = "measured" if n == FULL_BLOCKS else "extrapolated"
     lines = [f"GPU: {report['gpu']}  ", f"Command: `{report['command']}`  ",
              f"Generator: {report['model']} with {n} of {FULL_BLOCKS} blocks at full width; codec: {report['codec']}  ",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + "  ",
+             f"Each profile and anchor run {report['repeat']} time(s) in turn; figures from the run with the median "
+             "quantize wall (every run's in bench.json, `quantize_wall_s_runs`)", "",
              "### Per stage (measured)", "",
              "| run | stage | wall s | GPU peak allocated GiB | GPU peak reserved GiB | peak RSS GiB "
              f"| wall s, {FULL_BLOCKS} blocks ({how}) |",
@@ -284,6 +297,8 @@ def main(argv=None) -> None:
                    help="run autoawq and auto-round directly (default: on, off with --smoke)")
     p.add_argument("--smoke", action="store_true", help="tiny fixtures on CPU with small settings (CI)")
     p.add_argument("--keep", action="store_true", help="keep each run's stage cache and bundle")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each profile and anchor, in turn; the figures are the median run's (default 1)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -308,7 +323,7 @@ def main(argv=None) -> None:
     (gen_spec, gen_path), (codec_spec, codec_path) = fx["generator"], fx["codec"]
     layers = json.loads((gen_path / "config.json").read_text())["language_config"]["num_hidden_layers"]
 
-    runs, skipped = {}, {}
+    jobs, skipped = {}, {}
     for name in requested:
         if name not in known_profiles():
             skipped[name] = "no configs/profiles/" + name + ".yaml yet"
@@ -317,7 +332,7 @@ def main(argv=None) -> None:
         profile = str(bench_profile(name, spec.name, work, args.smoke))
         job = {"what": "profile", "profile": profile, "snapshot": str(path),
                "spec": {**dataclasses.asdict(spec), "yaml_path": str(spec.yaml_path)}}
-        runs[name] = spawn(name, job, out, work, args.keep)
+        jobs[name] = job
     if args.anchors if args.anchors is not None else not args.smoke:
         for anchor, profile in ANCHORS.items():
             if profile not in known_profiles():
@@ -328,17 +343,21 @@ def main(argv=None) -> None:
                 continue
             copy = str(bench_profile(profile, gen_spec.name, work, args.smoke)) if args.smoke else None  # the same shrink
             s = settings(anchor, gen_spec.name, copy)
-            job = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s}
-            runs[anchor] = {**spawn(anchor, job, out, work, args.keep), "settings": s}
+            jobs[anchor] = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s}
     else:
         skipped["anchors"] = "not requested (--anchors)"
+    tries = {name: [] for name in jobs}
+    for _ in range(args.repeat):  # rounds in turn (ours, the anchors, ours, ...): a drift of the machine hits both
+        for name, job in jobs.items():
+            tries[name].append(spawn(name, job, out, work, args.keep))
+    runs = {name: median_run(t) | {k: v for k, v in jobs[name].items() if k == "settings"} for name, t in tries.items()}
 
     comps = comparisons(runs, layers)
     report = {
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else "none (CPU run)",
         "versions": library_versions(), "model": model, "codec": codec_spec.name, "layers": layers,
-        "full_blocks": FULL_BLOCKS, "runs": runs, "skipped": skipped, "comparisons": comps,
+        "full_blocks": FULL_BLOCKS, "repeat": args.repeat, "runs": runs, "skipped": skipped, "comparisons": comps,
         "targets": targets(runs, comps, device == "cuda"),
     }
     table = markdown(report)
