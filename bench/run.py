@@ -222,8 +222,9 @@ def targets(runs: dict, comps: list[dict], gpu: bool) -> list[dict]:
             peak = totals(runs[p]["stages"]).get("gpu_peak_allocated_gib")
             add(f"{p}: peak GPU allocated <= 8 GiB", f"{peak} GiB" if gpu else "no GPU",
                 ("met" if peak <= GIB_LIMIT else "not met") if gpu else "n/a")
-    limits = {("awq4", "autoawq-defaults"): 0.25, ("autoround-q3", "auto-round-defaults"): 1.0,
-              ("awq4", "autoawq"): 0.5, ("autoround-q3", "auto-round"): 1.0}  # issue 16's targets (CPU smoke: vs ours)
+    # issue 16's targets: on one H200 awq4 <= 1/4 of autoawq at its defaults; on the CPU (CI's smoke) <= 1/2
+    limits = {("awq4", "autoawq-defaults"): 0.25 if gpu else 0.5, ("autoround-q3", "auto-round-defaults"): 1.0,
+              ("awq4", "autoawq"): 0.5, ("autoround-q3", "auto-round"): 1.0}
     for c in comps:
         if (c["profile"], c["anchor"]) in limits:
             r, lim = c.get("ratio"), limits[c["profile"], c["anchor"]]
