@@ -39,6 +39,8 @@ class Lazy:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
 READ_CHUNK = 1 << 30  # one read() call returns at most ~2 GiB on Linux
 
 
