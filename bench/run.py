@@ -167,7 +167,7 @@ def median_run(tries: list[dict]) -> dict:
         return failed[0]
     walls = [t["stages"]["quantize"]["wall_s"] for t in tries]
     med = sorted(range(len(tries)), key=walls.__getitem__)[(len(tries) - 1) // 2]
-    return {**tries[med], "quantize_wall_s_runs": walls} if len(tries) > 1 else tries[0]
+    return {**tries[med], "quantize_wall_s_runs": walls}
 
 
 def totals(stages: dict) -> dict:
