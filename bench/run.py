@@ -48,8 +48,10 @@ def pinned(spec, path: Path):
     return dataclasses.replace(spec, files={f: sha256_file(path / f) for f in snapshot_files(path)})
 
 
-def build_fixtures(model: str, layers: int | None, work: Path, device: str, codec_needed: bool = True) -> dict:
-    """Generator fixture (N blocks), its codec fixture (when needed) and the Qwen3 backbone; reused when there."""
+def build_fixtures(model: str, layers: int | None, work: Path, device: str, codec_needed: bool = True,
+                   backbone_needed: bool = True) -> dict:
+    """Generator fixture (N blocks), its codec fixture and the anchors' Qwen3 backbone (each when needed);
+    reused when there."""
     from pipelines.codec_fixtures import write_codec_fixture
     from pipelines.fixtures import write_fixture
     from pipelines.source import load_model_spec
@@ -61,8 +63,9 @@ def build_fixtures(model: str, layers: int | None, work: Path, device: str, code
     gen = work / f"{gen_spec.fixture}-L{layers or 'all'}-{device}"
     codec = work / codec_spec.fixture
     backbone = work / f"qwen3-{gen.name}"
-    writers = [(gen, lambda p: write_fixture(gen_spec.fixture, p, layers=layers, device=device)),
-               (backbone, lambda p: write_backbone(gen, p))]
+    writers = [(gen, lambda p: write_fixture(gen_spec.fixture, p, layers=layers, device=device))]
+    if backbone_needed:  # a second copy of the backbone's weights: 16 GB at 36 blocks
+        writers.append((backbone, lambda p: write_backbone(gen, p)))
     if codec_needed:
         writers.append((codec, lambda p: write_codec_fixture(codec_spec.fixture, p)))
     for path, write in writers:
@@ -320,7 +323,9 @@ def main(argv=None) -> None:
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children too: the smoke run is a CPU run
     requested = args.profiles.split(",")
-    fx = build_fixtures(model, layers, work, device, codec_needed=any(p.startswith("codec") for p in requested))
+    anchors = args.anchors if args.anchors is not None else not args.smoke
+    fx = build_fixtures(model, layers, work, device, codec_needed=any(p.startswith("codec") for p in requested),
+                        backbone_needed=anchors)
     (gen_spec, gen_path), (codec_spec, codec_path) = fx["generator"], fx["codec"]
     layers = json.loads((gen_path / "config.json").read_text())["language_config"]["num_hidden_layers"]
 
@@ -334,7 +339,7 @@ def main(argv=None) -> None:
         job = {"what": "profile", "profile": profile, "snapshot": str(path),
                "spec": {**dataclasses.asdict(spec), "yaml_path": str(spec.yaml_path)}}
         jobs[name] = job
-    if args.anchors if args.anchors is not None else not args.smoke:
+    if anchors:
         for anchor, profile in ANCHORS.items():
             if profile not in known_profiles():
                 skipped[anchor] = f"its settings come from {profile}, which does not exist yet"

@@ -102,7 +102,7 @@ def determinism_settings() -> dict:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
-        "torch_compile": False,  # no stage compiles; auto-round is called with enable_torch_compile=False
+        "torch_compile": False,  # no stage compiles by itself; auto-round only where a profile sets enable_torch_compile (its method record)
     }
 
 

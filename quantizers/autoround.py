@@ -36,6 +36,7 @@ class AutoRoundConfig:
     lr: float | None = None
     enable_deterministic_algorithms: bool = True
     low_gpu_mem_usage: bool = True  # offload cached block inputs; only used on CUDA
+    enable_torch_compile: bool = False  # auto-round's default is on; bench/autoround_settings.py measures both
 
     def validate(self):
         if self.bits not in FORMAT_BITS:
@@ -84,7 +85,7 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
     return AutoRound(
         _OneBlock(layer, dtype), tokenizer="", scheme="W4A16", alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr),
         bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, nsamples=nsamples, seqlen=seqlen,
-        batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device, enable_torch_compile=False,
+        batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device, enable_torch_compile=cfg.enable_torch_compile,
         enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
         low_gpu_mem_usage=cfg.low_gpu_mem_usage and str(device).startswith("cuda"), to_quant_block_names="model.layers",
         layer_config={f"model.layers.0.{name}": {"bits": b, "group_size": g}
@@ -92,27 +93,31 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
     )
 
 
-def tune_block(layer: nn.Module, fp_in: torch.Tensor, quant_in: torch.Tensor | None, position_embeddings,
+def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, position_embeddings,
                cfg: AutoRoundConfig, seed: int, device: str,
                grids: dict[str, tuple[int, int]] | None = None) -> tuple[torch.Tensor, dict[str, IntWeight]]:
     """SignRound on one block through auto-round's block-level API (`quantize_block`, the entry
-    llm-compressor's AutoRoundModifier uses): the reference is the source block on the fp
-    stream `fp_in` (N, S, H), the tuned block reads the quantized stream `quant_in` (None for
-    block 0: the two streams start equal). Returns the tuned block's output on the quantized
-    stream and its Linears' integers, by name within the block (`grids`: per-Linear (bits,
-    group_size) other than the config's)."""
-    n, s = fp_in.shape[:2]
+    llm-compressor's AutoRoundModifier uses): the tuned block reads `inputs` (N, S, H), the
+    quantized stream (auto-round's `enable_quanted_input`; for block 0 the fp stream), and is
+    fitted to `reference`, the source block's output on the fp stream, which the caller already
+    has (auto-round's `reference_output`: it neither recomputes it nor holds the fp inputs).
+    Returns the tuned block's output on `inputs` and its Linears' integers, by name within the
+    block (`grids`: per-Linear (bits, group_size) other than the config's)."""
+    n, s = inputs.shape[:2]
     if s != cfg.seqlen:
         raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {s}")
+    if reference.shape != inputs.shape:
+        raise QuantizerError(f"block reference: expected shape {list(inputs.shape)}, got {list(reference.shape)}")
     kwargs = {"position_embeddings": position_embeddings, "attention_mask": None}
-    inputs = [(((fp_in[i:i + 1],), kwargs),) for i in range(n)]
-    q_input = None if quant_in is None else [quant_in[i:i + 1] for i in range(n)]
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         ar = compressor(layer, n, s, cfg, seed, device, grids)
         with torch.enable_grad():
-            q_out, _ = ar.quantize_block(layer, inputs, q_input=q_input, device=device, auto_offload=False)
+            # q_input None: `inputs` already is the quantized stream, the reference is given
+            q_out, _ = ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
+                                         device=device, auto_offload=False,
+                                         reference_output=[reference[i:i + 1] for i in range(n)])
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         if was[2] is None:
@@ -122,8 +127,19 @@ def tune_block(layer: nn.Module, fp_in: torch.Tensor, quant_in: torch.Tensor | N
     tuned = {name: int_weight(mod) for name, mod in layer.named_modules() if isinstance(mod, nn.Linear) and hasattr(mod, "scale")}
     if not tuned:
         raise QuantizerError("auto-round quantized no Linear of the block")
-    out = torch.cat([t if t.dim() == 3 else t[None] for t in q_out]) if isinstance(q_out, (list, tuple)) else q_out
-    return out.to("cpu"), dict(sorted(tuned.items()))
+    return stacked(q_out, inputs.shape), dict(sorted(tuned.items()))
+
+
+def stacked(outs, shape) -> torch.Tensor:
+    """auto-round's per-sample outputs as one (N, S, H) host tensor, each sample freed once copied:
+    never the list and a concatenation of it at once."""
+    if isinstance(outs, torch.Tensor):
+        return outs.to("cpu")
+    out = torch.empty(shape, dtype=outs[0].dtype)
+    for i in range(len(outs)):
+        out[i] = outs[i].reshape(shape[1:])
+        outs[i] = None
+    return out
 
 
 def plain_logs() -> None:
@@ -167,4 +183,4 @@ def determinism_record(cfg: AutoRoundConfig) -> dict:
     """What auto-round ran under (it sets these for its own run; the manifest's environment shows the
     process settings before and after)."""
     return {"deterministic_algorithms": True, "deterministic_warn_only": not cfg.enable_deterministic_algorithms,
-            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": False}
+            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": cfg.enable_torch_compile}

@@ -15,6 +15,7 @@ from pipelines.loader import load_bundle, load_source
 from pipelines.models.moss_tts_delay import MossTTSDelayConfig
 from pipelines.api import plan as load_profile
 from quantizers.autoround import AutoRoundConfig, _OneBlock, tune_block
+from quantizers.errors import QuantizerError
 from quantizers.formats import gptq
 from quantizers.rtn import RTNConfig, quantize_rtn
 
@@ -115,7 +116,17 @@ def small_run(tiny_path):
             raise RuntimeError(f"auto-round tried to fetch through {name}")
         return f
 
+    from auto_round.algorithms.block_runner import BlockForwardRunner
+
+    whole_passes, forward = [], BlockForwardRunner.forward
+
+    def counted(self, block, inputs, others, indices=None, cache_device=None):
+        if indices is None:  # a pass over every sample (tuning batches pass indices)
+            whole_passes.append(len(inputs))
+        return forward(self, block, inputs, others, indices, cache_device)
+
     mp = pytest.MonkeyPatch()
+    mp.setattr(BlockForwardRunner, "forward", counted)
     mp.setattr(calib_dataset, "get_dataloader", trap("get_dataloader"))
     mp.setattr(datasets, "load_dataset", trap("datasets.load_dataset"))
     for fn in ("hf_hub_download", "snapshot_download"):
@@ -125,27 +136,39 @@ def small_run(tiny_path):
     ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
     x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
     layer = blocks.load_block(mcfg, 0, ckpt.get)
+    reference = blocks.Engine(mcfg, ckpt.get).forward(layer, x, pos)
     deterministic_before = torch.are_deterministic_algorithms_enabled()
     try:
-        q_out, ours = tune_block(layer, x, None, pos, AutoRoundConfig(iters=2, nsamples=4, seqlen=64, batch_size=2),
-                                 seed=0, device="cpu")
+        q_out, ours = tune_block(layer, x, reference, pos,
+                                 AutoRoundConfig(iters=2, nsamples=4, seqlen=64, batch_size=2), seed=0, device="cpu")
     finally:
         mp.undo()
-    return layer, q_out, ours, fetched, deterministic_before
+    return layer, q_out, ours, fetched, deterministic_before, whole_passes
 
 
 def test_never_fetches_from_a_hub_and_hands_back_process_settings(small_run):
-    _, q_out, ours, fetched, deterministic_before = small_run
+    _, q_out, ours, fetched, deterministic_before, _ = small_run
     assert fetched == []
     assert torch.are_deterministic_algorithms_enabled() == deterministic_before
     assert q_out.shape == (4, 64, 256) and len(ours) == 7
+
+
+def test_the_reference_given_is_not_recomputed(small_run):
+    """auto-round fits to the engine's fp output: its only pass over all samples is the tuned block's output."""
+    assert small_run[-1] == [4]
+
+
+def test_a_reference_of_another_shape_is_one_clear_error(tiny_path):
+    x = torch.zeros(2, 64, 256)
+    with pytest.raises(QuantizerError, match=r"block reference: expected shape \[2, 64, 256\], got \[2, 32, 256\]"):
+        tune_block(None, x, x[:, :32], None, AutoRoundConfig(iters=2, nsamples=2, seqlen=64), seed=0, device="cpu")
 
 
 def test_our_gptq_packing_is_bit_identical_to_autoround_pack_layer(small_run):
     """auto-round's own packer (what its save_quantized writes for auto_round:auto_gptq) on the tuned layers."""
     from auto_round.export.export_to_autoround.export import pack_layer
 
-    layer, _, ours, _, _ = small_run
+    layer, _, ours, _, _, _ = small_run
     model = _OneBlock(layer, torch.bfloat16)
     for name, iw in ours.items():
         assert iw.bits == 3 and iw.sym and int(iw.q.max()) <= 7

@@ -89,3 +89,30 @@ def test_a_bad_safetensors_header_is_one_line_naming_the_file(tmp_path, body):
     with pytest.raises(PipelineError, match=r"model\.safetensors: unreadable safetensors shard \(bad header") as e:
         Checkpoint(tmp_path)
     assert "\n" not in str(e.value)
+
+
+class _ReadsOutputOnly:
+    """A quant-stream hook that, like auto-round's, reads the fp stream's output but not its input."""
+
+    streams, capture, reads_fp_in = (blocks.FP, blocks.QUANT), (), False
+
+    def __init__(self):
+        self.seen = []
+
+    def on_block(self, step):
+        import weakref
+
+        prev = self.seen[-1]["fp_out"]() if self.seen else None
+        self.seen.append({"fp_in": step.fp_in, "fp_out": weakref.ref(step.fp_out), "prev_fp_out": prev})
+        return step.run(step.layer, step.quant_in) * 0.5  # a quant stream of its own, unlike the fp one
+
+
+def test_a_hook_not_reading_the_fp_input_gets_none_and_that_stream_is_freed(tiny_path):
+    ck = Checkpoint(tiny_path)
+    cfg = MossTTSDelayConfig.from_dict(ck.config())
+    hook = _ReadsOutputOnly()
+    blocks.Engine(cfg, ck.get, "cpu").run(hook, torch.randint(0, 60, (2, 9, 1 + cfg.n_vq)))
+    assert len(hook.seen) == cfg.num_layers >= 2
+    assert all(s["fp_in"] is None for s in hook.seen)
+    # block i's fp input is block i-1's fp output: by block i's hook nothing holds it any more
+    assert all(s["prev_fp_out"] is None for s in hook.seen[1:])

@@ -36,6 +36,7 @@ class AutoRoundHook:
     """auto-round on each block; `grids` (full Linear name -> (bits, group_size)) for mixed precision."""
 
     streams, capture = (FP, QUANT), ()
+    reads_fp_in = False  # auto-round fits the block to the fp stream's output, which the engine computed
 
     def __init__(self, cfg: AutoRoundConfig, seed: int, device: str, grids: dict[str, tuple[int, int]] | None = None):
         self.cfg, self.seed, self.device, self.grids = cfg, seed, device, grids or {}
@@ -45,9 +46,8 @@ class AutoRoundHook:
         pre = f"{BLOCK_PREFIX}.{step.index}."
         grids = {n.removeprefix(pre): g for n, g in self.grids.items() if n.startswith(pre)}
         try:
-            q_out, tuned = tune_block(step.layer, step.fp_in, None if step.index == 0 else step.quant_in,
-                                      step.position_embeddings, self.cfg, block_seed(self.seed, step.index), self.device,
-                                      grids)
+            q_out, tuned = tune_block(step.layer, step.quant_in, step.fp_out, step.position_embeddings, self.cfg,
+                                      block_seed(self.seed, step.index), self.device, grids)
             for name, iw in tuned.items():
                 self.packed[f"{BLOCK_PREFIX}.{step.index}.{name}"] = pack(iw, "gptq")
         except QuantizerError as e:

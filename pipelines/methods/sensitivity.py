@@ -134,6 +134,7 @@ class MeasureHook:
     alone in the source block, scored on the block output with the Fisher weights."""
 
     streams, capture = (FP, QUANT), ()
+    reads_fp_in = False
 
     def __init__(self, params: MeasureParams, fisher: list[torch.Tensor], seed: int, device: str):
         self.params, self.fisher, self.seed, self.device = params, fisher, seed, device
@@ -161,7 +162,7 @@ class MeasureHook:
 
     def _tune(self, layer, step, grid: Grid):
         try:
-            return tune_block(layer, step.fp_in, None if step.index == 0 else step.quant_in, step.position_embeddings,
+            return tune_block(layer, step.quant_in, step.fp_out, step.position_embeddings,
                               self.params.tuning(grid), block_seed(self.seed, step.index), self.device)
         except QuantizerError as e:
             raise PipelineError(str(e)) from None

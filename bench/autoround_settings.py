@@ -1,0 +1,114 @@
+"""What auto-round's settings cost on one block: deterministic algorithms, torch.compile, the offload.
+
+    python bench/autoround_settings.py --out bench/results/autoround-settings-h200.json    # GPU, full width
+    python bench/autoround_settings.py --model tiny --nsamples 8 --seqlen 64 --iters 4     # CPU smoke
+
+Writes the full-shape fixture with one decoder block once (under --work, on the device), runs the
+engine's fp pass over block 0 on the calibration set (auto-round's defaults: 128 x 2048 tokens),
+then tunes copies of that block with `quantizers.autoround.tune_block` (what autoround-q3 runs) under
+each setting, twice in a row: the first run pays the compile, the second shows the steady state,
+and the two runs' integers compared say whether the setting repeats itself bit for bit. Prints and
+writes per run: wall seconds (device synchronised), peak GPU allocated, the tuned block's output MSE
+against the FP block, and whether its integers equal the setting's first run's.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (name, deterministic algorithms, torch.compile, low_gpu_mem_usage)
+SETTINGS = (("autoround-q3 (ours)", True, False, True),
+            ("deterministic + compile", True, True, True),
+            ("not deterministic", False, False, True),
+            ("not deterministic + compile", False, True, True),
+            ("auto-round's defaults (no offload)", False, True, False))
+
+
+def main(argv=None) -> None:
+    from pipelines import engine as blocks
+    from pipelines.calibration import build
+    from pipelines.checkpoint import Checkpoint
+    from pipelines.fixtures import write_fixture
+    from pipelines.models.moss_tts_delay import MossTTSDelayConfig
+    from pipelines.source import load_model_spec, resolve_path
+    from quantizers.autoround import AutoRoundConfig, tune_block
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="full-shape")
+    p.add_argument("--nsamples", type=int, default=128)  # auto-round's defaults: 128 x 2048, 200 iters, batch 8
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--settings", help="comma-separated indices into SETTINGS (default all)")
+    p.add_argument("--work", default="/tmp/moss-ar-bench")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if args.model == "tiny":
+        path = resolve_path(load_model_spec("tiny"))
+    else:
+        path = Path(args.work) / f"{args.model}-L1"
+        if not path.exists():
+            t = time.perf_counter()
+            write_fixture(args.model, path, layers=1, device=device)
+            print(f"fixture {path}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    ck = Checkpoint(path)
+    mcfg = MossTTSDelayConfig.from_dict(ck.config())
+    ids = build("moss-calib-v1", ck.config(), args.nsamples, args.seqlen, path).ids
+    x = blocks.embed(mcfg, ck.get, ids, torch.bfloat16, device).to("cpu")
+    pos = blocks.rotary(mcfg, args.seqlen, torch.bfloat16, device)
+    layer = blocks.load_block(mcfg, 0, ck.get, torch.bfloat16, device)
+    engine = blocks.Engine(mcfg, ck.get, device, torch.bfloat16, 8)
+    ref = engine.forward(layer, x, pos)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    chosen = [SETTINGS[int(i)] for i in args.settings.split(",")] if args.settings else SETTINGS
+    rows = []
+    for name, det, comp, low in chosen:
+        cfg = AutoRoundConfig(nsamples=args.nsamples, seqlen=args.seqlen, iters=args.iters,
+                              enable_deterministic_algorithms=det, enable_torch_compile=comp, low_gpu_mem_usage=low)
+        first = None
+        for run in (1, 2):
+            block = copy.deepcopy(layer)
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t = time.perf_counter()
+            out, ints = tune_block(block, x, ref, pos, cfg, seed=0, device=device)
+            sync()
+            wall = time.perf_counter() - t
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            codes = {n: iw.q for n, iw in ints.items()}
+            same = None if first is None else all(torch.equal(codes[n], first[n]) for n in codes)
+            first = first or codes
+            row = {"setting": name, "run": run, **{k: v for k, v in dataclasses.asdict(cfg).items() if k in (
+                "enable_deterministic_algorithms", "enable_torch_compile", "low_gpu_mem_usage")},
+                   "wall_s": round(wall, 2), "peak_gpu_allocated_gib": peak and round(peak, 2),
+                   "block_output_mse": (out.float() - ref.float()).pow(2).mean().item(),
+                   "codes_equal_run_1": same}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del block, out, ints
+    env = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "model": args.model, "nsamples": args.nsamples, "seqlen": args.seqlen, "iters": args.iters}
+    print("| setting | run | wall s | peak GPU GiB | block output MSE | codes equal run 1 |\n|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['setting']} | {r['run']} | {r['wall_s']} | {r['peak_gpu_allocated_gib']} "
+              f"| {r['block_output_mse']:.4g} | {r['codes_equal_run_1']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
