@@ -4,8 +4,9 @@
 After block i's hook returns, the engine writes into the stage's partial folder
 `block-<i>.safetensors` (the hook's results for that block: its tensors, its JSON record in the
 header), then `streams.safetensors` (the fp and quant activations leaving block i: only the
-latest is kept, replaced in one rename). Every file is written to a temporary name, synced and
-renamed (pipelines/atomic.py), so a kill leaves whole files only. A re-run finds them, hands
+latest is kept, replaced in one rename), in a thread while block i+1 computes. Every file is
+written to a temporary name, synced and renamed (pipelines/atomic.py), so a kill leaves whole
+files only. A re-run finds them, hands
 blocks 0..i back to the hook (`restore_block`) and continues at block i+1.
 
 The folder is `<cache>/<stage>/<key>.partial/`, next to where the finished stage will be
@@ -21,15 +22,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from .atomic import atomic_file
-from .checkpoint import DTYPES, canonical_json, safetensors_header
+from .checkpoint import DTYPES, canonical_json, safetensors_header, write_safetensors
 
 STREAMS = "streams.safetensors"
 
@@ -54,7 +55,7 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     with atomic_file(path, replace=True) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata)
+        write_safetensors(tmp, tensors, metadata)
 
 
 class BlockCheckpoint:
@@ -63,15 +64,45 @@ class BlockCheckpoint:
     def __init__(self, folder: Path, log: Callable[[str], None]):
         self.folder, self.log = Path(folder), log
         self.stage = self.folder.parent.name
+        self._writing: tuple[int, threading.Thread, list] | None = None
 
-    def save(self, i: int, hook, fp: torch.Tensor, quant: torch.Tensor | None) -> None:
-        """Block i is finished: its hook state, then the streams leaving it (the order a resume relies on)."""
+    def save(self, i: int, hook, fp: torch.Tensor, quant: torch.Tensor | None) -> int | None:
+        """Block i is finished: its hook state, then the streams leaving it (the order a resume
+        relies on), written by a thread while the next block computes (a stream is 0.5-2 GiB: about
+        a second of disk per block). The streams are read-only from here on. Waits for block i-1's
+        files first and returns its index (now on disk), or None."""
         tensors, meta = hook.block_state(i)
-        _write(self.folder / block_file(i), tensors, {"block": str(i), "state": canonical_json(meta)})
+        tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # copied here: the thread only reads host memory
         streams, kind = {"fp": fp}, "none" if quant is None else "fp" if quant is fp else "own"
         if kind == "own":
             streams["quant"] = quant
-        _write(self.folder / STREAMS, streams, {"block": str(i), "quant": kind})
+        done = self.wait()
+        files = [(self.folder / block_file(i), tensors, {"block": str(i), "state": canonical_json(meta)}),
+                 (self.folder / STREAMS, streams, {"block": str(i), "quant": kind})]
+        errors: list[BaseException] = []
+
+        def write():
+            try:
+                for args in files:
+                    _write(*args)
+            except BaseException as e:  # re-raised by wait() in the engine's thread
+                errors.append(e)
+
+        thread = threading.Thread(target=write, name=f"checkpoint block {i}", daemon=True)
+        thread.start()
+        self._writing = (i, thread, errors)
+        return done
+
+    def wait(self) -> int | None:
+        """The pending block's files on disk (its write's error raised here): its index, or None."""
+        if self._writing is None:
+            return None
+        i, thread, errors = self._writing
+        self._writing = None
+        thread.join()
+        if errors:
+            raise errors[0]
+        return i
 
     def mapped(self, i: int) -> dict[str, torch.Tensor]:
         """Block i's saved tensors as views of a private map of its file: pages are read when touched

@@ -127,7 +127,8 @@ def test_a_checkpointed_blocks_packed_weights_leave_memory_for_their_file(tmp_pa
 
     ckpt = BlockCheckpoint(tmp_path / "quantize" / "key.partial", print)
     ckpt.folder.mkdir(parents=True)
-    ckpt.save(0, Hook(), torch.zeros(2, 3, 4), None)
+    assert ckpt.save(0, Hook(), torch.zeros(2, 3, 4), None) is None  # nothing was pending
+    assert ckpt.wait() == 0  # block 0's files are on disk now
     map_packed(packed, ckpt.mapped(0))
     size = (ckpt.folder / block_file(0)).stat().st_size
     for n, pw in packed.items():
@@ -136,3 +137,27 @@ def test_a_checkpointed_blocks_packed_weights_leave_memory_for_their_file(tmp_pa
             assert torch.equal(t, before[n][p]) and t.dtype == before[n][p].dtype
         tensors, meta = Hook().block_state(0)
         assert torch.equal(pw.dequantize(), packed_from_state(tensors, meta["packed"])[n].dequantize())
+
+
+def test_a_failed_checkpoint_write_is_raised_in_the_engine_not_lost_in_its_thread(tmp_path, monkeypatch):
+    """The block files are written by a thread while the next block computes: a write that fails
+    there (a full disk) stops the run at the next save or at the end, with the error, never silently."""
+    import torch
+
+    import pipelines.resume as resume
+
+    def full_disk(path, tensors, metadata):
+        raise OSError(28, "No space left on device", str(path))
+
+    class Hook:
+        def block_state(self, i):
+            return {"w": torch.ones(2)}, {}
+
+    ckpt = resume.BlockCheckpoint(tmp_path / "quantize" / "key.partial", print)
+    ckpt.folder.mkdir(parents=True)
+    monkeypatch.setattr(resume, "_write", full_disk)
+    ckpt.save(0, Hook(), torch.zeros(2, 3, 4), None)
+    with pytest.raises(OSError, match="No space left on device"):
+        ckpt.save(1, Hook(), torch.zeros(2, 3, 4), None)
+    assert ckpt.wait() is None  # the failed write was reported once; block 1's was not started
+    assert list(ckpt.folder.iterdir()) == []

@@ -106,6 +106,7 @@ class AWQHook:
         # our search moves one group's inputs to the device at a time (a block's are 3.2 GB at 128 x 512
         # tokens); autoawq's own functions are handed them where the block is
         self.capture_on_host = cfg.search == "ours"
+        self.reads_fp_in = False  # the block's Linear inputs are captured: its input can go (0.5 GiB)
         self.packed, self.folded, self.blocks = {}, {}, []
 
     def on_block(self, step: Step) -> None:
