@@ -75,19 +75,15 @@ def final_norm(cfg: MossTTSDelayConfig, get: Getter, hidden: torch.Tensor) -> to
 
 
 class Capture:
-    """One Linear's inputs over the calibration set, each batch copied into its rows of one tensor
-    allocated at the first batch (on `device`, or where the batch is). Host copies of GPU batches
-    go to pinned memory: 3 GiB a block each way for AWQ at 128 x 512 tokens, several times faster
-    than through pageable memory (the pinned blocks are cached by torch and reused block after block)."""
+    """One Linear's inputs over the calibration set (on the device), each batch copied into its rows
+    of one tensor allocated at the first batch: no per-batch copies to concatenate."""
 
-    def __init__(self, rows: int, device: str | None = None):
-        self.rows, self.device, self.tensor, self.filled = rows, device, None, 0
+    def __init__(self, rows: int):
+        self.rows, self.tensor, self.filled = rows, None, 0
 
     def __call__(self, x: torch.Tensor) -> None:
         if self.tensor is None:
-            device = torch.device(self.device or x.device)
-            self.tensor = torch.empty((self.rows, *x.shape[1:]), dtype=x.dtype, device=device,
-                                      pin_memory=device.type == "cpu" and x.is_cuda)
+            self.tensor = torch.empty((self.rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
         self.tensor[self.filled:self.filled + x.shape[0]].copy_(x)
         self.filled += x.shape[0]
 
@@ -101,7 +97,7 @@ class Step:
     fp_in: torch.Tensor | None  # (N, S, H) fp-stream input (host); None for a hook with reads_fp_in False
     fp_out: torch.Tensor  # the source block's output on fp_in (host)
     quant_in: torch.Tensor | None  # quant-stream input (host), when the hook reads that stream
-    captured: dict[str, torch.Tensor]  # Linear name -> its inputs on the fp stream (device; host if capture_on_host)
+    captured: dict[str, torch.Tensor]  # Linear name -> its inputs on the fp stream (device)
     position_embeddings: tuple
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # the engine's batched forward of a block
 
@@ -109,7 +105,6 @@ class Step:
 class BlockHook(Protocol):
     streams: tuple[str, ...]  # FP, and QUANT if the hook reads the quantized stream
     capture: tuple[str, ...]  # Linear names (relative to the block) whose fp-stream inputs it needs
-    # capture_on_host (optional, default False): keep those inputs on the host, not the device
     # reads_fp_in (optional, default True): False frees the fp-stream input before on_block (one
     #   stream's worth of host memory: 2 GiB at 128 x 2048 tokens of an 8B)
 
@@ -209,8 +204,7 @@ class Engine:
         run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
         for i in progress(range(start, n), desc=self.desc, unit="block", total=n, initial=start):
             layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
-            keep = "cpu" if getattr(hook, "capture_on_host", False) else None  # the hook moves what it reads
-            stores = {name: Capture(fp.shape[0], keep) for name in hook.capture}
+            stores = {name: Capture(fp.shape[0]) for name in hook.capture}
             fp_out = self.forward(layer, fp, pos, stores)
             captured = {name: store.tensor for name, store in stores.items()}
             step = Step(i, layer, fp, fp_out, quant, captured, pos, run)

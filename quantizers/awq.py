@@ -245,14 +245,29 @@ def search_clip(cfg: AWQConfig, w: torch.Tensor, x: torch.Tensor, n_grid: int = 
     return torch.cat(best_all)
 
 
+def module_input(module: nn.Module, target: nn.Module, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The input of `target` inside `module` run on `x`, `rows` sequences at a time: the engine's
+    batches, so the same bits as a capture in its pass over the block."""
+    out = []
+    hook = target.register_forward_pre_hook(lambda mod, args: out.append(args[0]))
+    try:
+        for s in range(0, x.shape[0], rows):
+            module(x[s:s + rows])
+    finally:
+        hook.remove()
+    return torch.cat(out)
+
+
 @torch.no_grad()
 def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict, linears: list[str], groups: list[Group],
-              cfg: AWQConfig):
+              cfg: AWQConfig, derived: dict[str, tuple[str, str]] | None = None):
     """Search and apply AWQ scales over `groups`, then clipping over `linears`, on one block in place.
 
-    `feats` holds every Linear's inputs on the fp stream (what autoawq's `_get_input_feat` collects;
-    the engine captures them in its one pass over the block). Returns ([(prev, linears, scales)],
-    [(linear, max_val)]).
+    `feats` holds the Linears' inputs on the fp stream (what autoawq's `_get_input_feat` collects;
+    the engine captures them in its one pass over the block); a Linear named in `derived`
+    (linear -> (module, source Linear)) may be missing there: its input is recomputed by running
+    the module on the source's input, on the device, for its group's search (our search only).
+    Returns ([(prev, linears, scales)], [(linear, max_val)]).
     """
     named = {name: layer.get_submodule(name) for name in linears}
     if cfg.search == "autoawq":
@@ -276,19 +291,30 @@ def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict,
         clips = q._search_best_clip(layer, named, feats) if q.apply_clip else []
         apply_clip(layer, clips)
         return scales, clips
-    # `feats` may be on the host (the engine keeps them there on a GPU): one group's inputs go to the
-    # device at a time, and the clip search reads only its 512 sampled tokens of each
     device = next(layer.parameters()).device
-    scales = []
+    derived = derived or {}
+
+    def inputs(name: str) -> torch.Tensor:  # on the device; every scale search runs on the source weights
+        if name in feats:
+            return feats[name].to(device)
+        module, source = derived[name]
+        return module_input(layer.get_submodule(module), named[name], feats[source].to(device), cfg.batch_size)
+
+    scales, samples, sampled = [], {}, {}  # one clip sample per input tensor, shared as it is (q/k/v, gate/up)
     for g in groups:
         module = layer.get_submodule(g.inspect) if g.inspect else named[g.linears[0]]
         takes = signature(module.forward).parameters  # the block's kwargs the module accepts (autoawq's rule)
         inspect = partial(module, **{k: v for k, v in kwargs.items() if k in takes})
-        x = feats[g.linears[0]].to(device)
+        x = inputs(g.linears[0])
+        if g.linears[0] not in feats:  # a recomputed input: its sample now, the tensor then goes
+            samples.update({n: clip_tokens(x).clone() for n in g.linears})
         scales.append((g.prev, g.linears, search_scale(cfg, [named[n] for n in g.linears], inspect, x)))
         del x
-    sampled = {}  # one sample per captured tensor, shared as the tensor is (q/k/v, gate/up)
-    samples = {n: sampled.setdefault(id(feats[n]), clip_tokens(feats[n]).to(device, copy=True)) for n in linears}
+    for n in linears:
+        if n in feats:
+            samples.setdefault(n, sampled.setdefault(id(feats[n]), clip_tokens(feats[n]).to(device, copy=True)))
+        elif n not in samples:  # recomputed, though in no group
+            samples[n] = clip_tokens(inputs(n)).clone()
     apply_scales(layer, scales, samples)  # elementwise: sampling then dividing = dividing then sampling
     # autoawq's rule: no clipping of q/k (through the q.k product the output MSE is a poor guide)
     clips = [(n, search_clip(cfg, named[n].weight, samples[n])) for n in linears

@@ -287,3 +287,27 @@ def test_awq4_exports_to_a_bit_exact_gguf(awq4, tmp_path):
     r = export(ctx.bundle, tmp_path / "awq4.gguf")
     assert r.returncode == 0 and "not bit-exact" not in r.stdout, r.stderr
     check_round_trip(ctx.bundle, tmp_path / "awq4.gguf", "Q5_0")
+
+
+def test_a_recomputed_down_proj_input_gives_the_very_same_search_as_a_captured_one(tiny_path):
+    """Our search keeps 3 of a block's Linear inputs and recomputes down_proj's inside the MLP from
+    gate_proj's (DERIVED_INPUTS), in the engine's batches: the scales, clips and weights it gives are
+    bit for bit those of a search handed the captured input."""
+    import copy
+
+    from pipelines.models.moss_tts_delay import DERIVED_INPUTS
+    from quantizers.awq import AWQConfig, autoawq_quantizer, awq_block
+
+    engine, layer, x, feats, pos, groups = _block_case(tiny_path, 3, nsamples=16)
+    cfg = AWQConfig(batch_size=engine.batch_size)
+    kwargs = {"position_embeddings": pos, "attention_mask": None}
+    got = {}
+    for case, given, derived in (("captured", feats, None),
+                                 ("recomputed", {n: f for n, f in feats.items() if n != "mlp.down_proj"}, dict(DERIVED_INPUTS))):
+        block = copy.deepcopy(layer)
+        scales, clips = awq_block(autoawq_quantizer(cfg), block, {n: f.clone() for n, f in given.items()}, kwargs,
+                                  list(BLOCK_LINEARS), groups, cfg, derived)
+        got[case] = ([s for _, _, s in scales], [m for _, m in clips], [p.detach().clone() for p in block.parameters()])
+    assert any(n == ("mlp.down_proj",) for _, n, _ in scales)  # down_proj's group was searched
+    for a, b in zip(got["captured"], got["recomputed"]):
+        assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))

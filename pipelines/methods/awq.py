@@ -17,13 +17,14 @@ from ..calibration import load_ids
 from ..checkpoint import Checkpoint
 from ..engine import FP, Engine, Step
 from ..errors import PipelineError
-from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, INPUT_GROUPS, MossTTSDelayConfig
+from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, DERIVED_INPUTS, INPUT_GROUPS, MossTTSDelayConfig
 from .weights import Weights, map_packed, packed_from_state, packed_state
 
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
 MAPPINGS = "INPUT_GROUPS/BLOCK_LINEARS in pipelines/models/moss_tts_delay.py"
-# Linears reading one input share one captured tensor (q/k/v, gate/up): 4 of the 7 inputs are kept.
+# Linears reading one input share one captured tensor (q/k/v, gate/up): 3 of the 7 inputs are kept
+# (down_proj's is recomputed: DERIVED_INPUTS).
 SHARED_INPUT = {rel: lins[0] for _, lins in INPUT_GROUPS for rel in lins[1:]}
 SEARCH_OURS = ("quantizers.awq.search_scale / search_clip: autoawq's objective and grids (20 ratios, 10 clip "
                "shrinks on 512 sampled tokens), chunked on the device")
@@ -99,21 +100,21 @@ class AWQHook:
     Linear is quantized on autoawq's zero-point grid and packed in the AWQ GEMM layout."""
 
     streams = (FP,)
-    capture = tuple(rel for rel in BLOCK_LINEARS if rel not in SHARED_INPUT)
+    reads_fp_in = False  # the block's Linear inputs are captured: its input can go (0.5 GiB)
 
     def __init__(self, q, cfg: AWQConfig, plan: list[list[Group]], log):
         self.q, self.cfg, self.plan, self.log = q, cfg, plan, log
-        # our search moves one group's inputs to the device at a time (a block's are 3.2 GB at 128 x 512
-        # tokens); autoawq's own functions are handed them where the block is
-        self.capture_on_host = cfg.search == "ours"
-        self.reads_fp_in = False  # the block's Linear inputs are captured: its input can go (0.5 GiB)
+        # kept on the device, 1.5 GiB at 128 x 512 tokens: our search recomputes down_proj's input
+        # (another 1.5 GiB) for its own group; autoawq's functions are handed every input
+        self.derived = dict(DERIVED_INPUTS) if cfg.search == "ours" else {}
+        self.capture = tuple(rel for rel in BLOCK_LINEARS if rel not in SHARED_INPUT and rel not in self.derived)
         self.packed, self.folded, self.blocks = {}, {}, []
 
     def on_block(self, step: Step) -> None:
         i, layer = step.index, step.layer
         kwargs = {"position_embeddings": step.position_embeddings, "attention_mask": None}
-        feats = {rel: step.captured[SHARED_INPUT.get(rel, rel)] for rel in BLOCK_LINEARS}
-        scales, clips = awq_block(self.q, layer, feats, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg)
+        feats = {rel: step.captured[SHARED_INPUT.get(rel, rel)] for rel in BLOCK_LINEARS if rel not in self.derived}
+        scales, clips = awq_block(self.q, layer, feats, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg, self.derived)
         pre = f"{BLOCK_PREFIX}.{i}."
         for rel in BLOCK_LINEARS:
             try:

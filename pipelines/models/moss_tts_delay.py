@@ -45,12 +45,15 @@ INPUT_GROUPS = (
     ("mlp.up_proj", ("mlp.down_proj",)),
 )
 
+DERIVED_INPUTS = (("mlp.down_proj", ("mlp", "mlp.gate_proj")),)
+
 DEFINITION = Definition(
     name="MossTTSDelay",
     model_types=("moss_tts_delay",),
     block_prefix=BLOCK_PREFIX,
     block_linears=BLOCK_LINEARS,
     input_groups=INPUT_GROUPS,
+    derived_inputs=DERIVED_INPUTS,
     fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")),
     tables=(("text_embedding", r"^language_model\.embed_tokens\.weight$"), ("audio_embeddings", r"^emb_ext\.\d+\.weight$"),
             ("text_head", r"^lm_heads\.0\.weight$"), ("audio_heads", r"^lm_heads\.[1-9]\d*\.weight$")),
