@@ -38,9 +38,8 @@ def main(argv=None) -> None:
     from pipelines import engine as blocks
     from pipelines.calibration import build
     from pipelines.checkpoint import Checkpoint
-    from pipelines.fixtures import write_fixture
     from pipelines.models.moss_tts_delay import MossTTSDelayConfig
-    from pipelines.source import load_model_spec, resolve_path
+    from bench.run import block_fixture
     from quantizers.autoround import AutoRoundConfig, tune_block
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,14 +54,7 @@ def main(argv=None) -> None:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    if args.model == "tiny":
-        path = resolve_path(load_model_spec("tiny"))
-    else:
-        path = Path(args.work) / f"{args.model}-L1"
-        if not path.exists():
-            t = time.perf_counter()
-            write_fixture(args.model, path, layers=1, device=device)
-            print(f"fixture {path}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    path = block_fixture(args.model, Path(args.work), 1, device)
     ck = Checkpoint(path)
     mcfg = MossTTSDelayConfig.from_dict(ck.config())
     ids = build("moss-calib-v1", ck.config(), args.nsamples, args.seqlen, path).ids

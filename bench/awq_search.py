@@ -30,10 +30,9 @@ def main(argv=None) -> None:
     from pipelines import engine as blocks
     from pipelines.calibration import build
     from pipelines.checkpoint import Checkpoint
-    from pipelines.fixtures import write_fixture
     from pipelines.methods.awq import plan_groups
     from pipelines.models.moss_tts_delay import BLOCK_LINEARS, MossTTSDelayConfig
-    from pipelines.source import load_model_spec, resolve_path
+    from bench.run import block_fixture
     from quantizers.awq import AWQConfig, autoawq_quantizer, awq_block, int_weight
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,14 +46,7 @@ def main(argv=None) -> None:
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    if args.model == "tiny":
-        path = resolve_path(load_model_spec("tiny"))
-    else:
-        path = Path(args.work) / f"{args.model}-L{args.blocks}"
-        if not path.exists():
-            t = time.perf_counter()
-            write_fixture(args.model, path, layers=args.blocks, device=device)
-            print(f"fixture {path}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    path = block_fixture(args.model, Path(args.work), args.blocks, device)
     ck = Checkpoint(path)
     mcfg = MossTTSDelayConfig.from_dict(ck.config())
     plan, _ = plan_groups(ck, mcfg, AWQConfig())

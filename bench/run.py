@@ -76,6 +76,22 @@ def build_fixtures(model: str, layers: int | None, work: Path, device: str, code
     return {"generator": (pinned(gen_spec, gen), gen), "codec": (pinned(codec_spec, codec) if codec.exists() else codec_spec, codec), "backbone": backbone}
 
 
+def block_fixture(model: str, work: Path, layers: int, device: str) -> Path:
+    """The generator fixture `model` with `layers` blocks under `work` (written once), or the
+    committed tiny one: what the one-block scripts (awq_search, autoround_settings) run on."""
+    from pipelines.fixtures import write_fixture
+    from pipelines.source import load_model_spec, resolve_path
+
+    if model == "tiny":
+        return resolve_path(load_model_spec("tiny"))
+    path = Path(work) / f"{model}-L{layers}"
+    if not path.exists():
+        started = time.perf_counter()
+        write_fixture(model, path, layers=layers, device=device)
+        log(f"fixture {path}: {time.perf_counter() - started:.0f} s")
+    return path
+
+
 def bench_profile(name: str, model: str, work: Path, smoke: bool) -> Path:
     """A copy of the profile without the free-running evaluation (an evaluation with its own cost,
     not what the speed and memory targets are about: its gate bounds go with it); with `smoke`, its
