@@ -6,8 +6,8 @@ After block i's hook returns, the engine writes into the stage's partial folder
 header), then `streams.safetensors` (the fp and quant activations leaving block i: only the
 latest is kept, replaced in one rename), in a thread while block i+1 computes. Every file is
 written to a temporary name, synced and renamed (pipelines/atomic.py), so a kill leaves whole
-files only. A re-run finds them, hands
-blocks 0..i back to the hook (`restore_block`) and continues at block i+1.
+files only. A re-run finds them, hands blocks 0..i back to the hook (`restore_block`) and
+continues at block i+1.
 
 The folder is `<cache>/<stage>/<key>.partial/`, next to where the finished stage will be
 published: the key covers everything that can change the stage's output (params, upstream keys,
