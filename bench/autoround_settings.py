@@ -9,7 +9,9 @@ then tunes copies of that block with `quantizers.autoround.tune_block` (what aut
 each setting, twice in a row: the first run pays the compile, the second shows the steady state,
 and the two runs' integers compared say whether the setting repeats itself bit for bit. Prints and
 writes per run: wall seconds (device synchronised), peak GPU allocated, the tuned block's output MSE
-against the FP block, and whether its integers equal the setting's first run's.
+against the FP block, and whether its integers equal the setting's first run's and the first
+setting's (does the setting change the result, or only its speed?). A setting that fails to run
+(torch.compile without a compiler, say) is a row with its error.
 """
 from __future__ import annotations
 
@@ -65,39 +67,52 @@ def main(argv=None) -> None:
     ref = engine.forward(layer, x, pos)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     chosen = [SETTINGS[int(i)] for i in args.settings.split(",")] if args.settings else SETTINGS
-    rows = []
+    env = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "model": args.model, "nsamples": args.nsamples, "seqlen": args.seqlen, "iters": args.iters}
+    rows, baseline = [], None
     for name, det, comp, low in chosen:
         cfg = AutoRoundConfig(nsamples=args.nsamples, seqlen=args.seqlen, iters=args.iters,
                               enable_deterministic_algorithms=det, enable_torch_compile=comp, low_gpu_mem_usage=low)
         first = None
         for run in (1, 2):
+            row = {"setting": name, "run": run, **{k: v for k, v in dataclasses.asdict(cfg).items() if k in (
+                "enable_deterministic_algorithms", "enable_torch_compile", "low_gpu_mem_usage")}}
             block = copy.deepcopy(layer)
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t = time.perf_counter()
-            out, ints = tune_block(block, x, ref, pos, cfg, seed=0, device=device)
+            try:
+                ints = tune_block(block, x, ref, pos, cfg, seed=0, device=device)
+            except Exception as e:  # a setting that cannot run here (no compiler for torch.compile, say) is a row too
+                rows.append(row | {"error": f"{type(e).__name__}: {e}"[:500]})
+                print(json.dumps(rows[-1]), flush=True)
+                break
             sync()
             wall = time.perf_counter() - t
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            out = engine.forward(block, x, pos)
+            sq = sum((out[s:s + 8].to(device).float() - ref[s:s + 8].to(device).float()).pow(2).sum().item()
+                     for s in range(0, out.shape[0], 8))
             codes = {n: iw.q for n, iw in ints.items()}
             same = None if first is None else all(torch.equal(codes[n], first[n]) for n in codes)
-            first = first or codes
-            row = {"setting": name, "run": run, **{k: v for k, v in dataclasses.asdict(cfg).items() if k in (
-                "enable_deterministic_algorithms", "enable_torch_compile", "low_gpu_mem_usage")},
-                   "wall_s": round(wall, 2), "peak_gpu_allocated_gib": peak and round(peak, 2),
-                   "block_output_mse": (out.float() - ref.float()).pow(2).mean().item(),
-                   "codes_equal_run_1": same}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            first, baseline = first or codes, baseline or codes
+            rows.append(row | {"wall_s": round(wall, 2), "peak_gpu_allocated_gib": peak and round(peak, 2),
+                               "block_output_mse": sq / out.numel(), "codes_equal_run_1": same,
+                               "codes_equal_first_setting": all(torch.equal(codes[n], baseline[n]) for n in codes)})
+            print(json.dumps(rows[-1]), flush=True)
+            if args.out:  # after every row: a run cut off by a time limit keeps what it measured
+                Path(args.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
             del block, out, ints
-    env = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "model": args.model, "nsamples": args.nsamples, "seqlen": args.seqlen, "iters": args.iters}
-    print("| setting | run | wall s | peak GPU GiB | block output MSE | codes equal run 1 |\n|---|---:|---:|---:|---:|---|")
+    print("| setting | run | wall s | peak GPU GiB | block output MSE | codes equal run 1 | codes equal first setting's |\n"
+          "|---|---:|---:|---:|---:|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['setting']} | {r['run']} | {r['error']} | | | | |")
+            continue
         print(f"| {r['setting']} | {r['run']} | {r['wall_s']} | {r['peak_gpu_allocated_gib']} "
-              f"| {r['block_output_mse']:.4g} | {r['codes_equal_run_1']} |")
+              f"| {r['block_output_mse']:.4g} | {r['codes_equal_run_1']} | {r['codes_equal_first_setting']} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
 

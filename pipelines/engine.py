@@ -13,7 +13,13 @@ output. Two streams can flow side by side:
 A method hooks into the loop (llm-compressor's layer_sequential pattern): the engine runs block i
 on the fp stream, capturing the inputs of the Linears the hook asks for (statistics in that one
 pass), then calls `hook.on_block(step)`. The hook searches, tunes or measures the block, may
-change it in place, and returns the block's output on the quant stream when it has one.
+change it in place, and returns what gives the quant stream: the quantized block (the engine runs
+it on the stream) or the stream's new value.
+
+Each stream is one host tensor that the blocks overwrite in place, batch by batch, wherever nothing
+else reads it: the fp stream when the hook reads only its output, the quant stream always. At
+auto-round's 128 x 2048 tokens of an 8B a stream is 2 GiB, and a block then holds two of them,
+not three or four.
 
 `output_fisher` runs the other way: forward over every block keeping each block's input on the
 host, then one block at a time backwards (the block recomputed with gradients: activation
@@ -22,7 +28,9 @@ model's outputs with respect to the block's output.
 
 Given a `resume` folder (the quantize stage's), the engine checkpoints each finished block there
 and a re-run continues at the first unfinished one (pipelines/resume.py); the hook then also
-implements `block_state(i)` and `restore_block(i, tensors, meta)`.
+implements `block_state(i)` and `restore_block(i, tensors, meta)`. Only the quant stream is saved:
+a resumed run recomputes the fp stream through the source blocks it has already passed (a fraction
+of a second a block on a GPU, against writing 2 GiB a block).
 """
 from __future__ import annotations
 
@@ -95,8 +103,8 @@ class Step:
     index: int
     layer: nn.Module  # the block with the source weights, on the device (a hook may change it)
     fp_in: torch.Tensor | None  # (N, S, H) fp-stream input (host); None for a hook with reads_fp_in False
-    fp_out: torch.Tensor  # the source block's output on fp_in (host)
-    quant_in: torch.Tensor | None  # quant-stream input (host), when the hook reads that stream
+    fp_out: torch.Tensor  # the source block's output on fp_in (host; read-only)
+    quant_in: torch.Tensor | None  # quant-stream input (host; read-only), when the hook reads that stream
     captured: dict[str, torch.Tensor]  # Linear name -> its inputs on the fp stream (device)
     position_embeddings: tuple
     run: Callable[[nn.Module, torch.Tensor], torch.Tensor]  # the engine's batched forward of a block
@@ -105,10 +113,11 @@ class Step:
 class BlockHook(Protocol):
     streams: tuple[str, ...]  # FP, and QUANT if the hook reads the quantized stream
     capture: tuple[str, ...]  # Linear names (relative to the block) whose fp-stream inputs it needs
-    # reads_fp_in (optional, default True): False frees the fp-stream input before on_block (one
-    #   stream's worth of host memory: 2 GiB at 128 x 2048 tokens of an 8B)
+    # reads_fp_in (optional, default True): False lets the block's fp output overwrite its input
+    #   (one stream's worth of host memory: 2 GiB at 128 x 2048 tokens of an 8B)
 
-    def on_block(self, step: Step) -> torch.Tensor | None: ...
+    def on_block(self, step: Step) -> nn.Module | torch.Tensor | None:
+        """The quant stream's next value: the block to run on it (in place), or the output itself."""
 
 
 class ResumableHook(BlockHook, Protocol):
@@ -134,15 +143,16 @@ class Engine:
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
     @torch.no_grad()
-    def forward(self, layer: nn.Module, hidden: torch.Tensor, pos, observe: dict | None = None) -> torch.Tensor:
+    def forward(self, layer: nn.Module, hidden: torch.Tensor, pos, observe: dict | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """The block on `hidden` (host), `batch_size` sequences at a time on the device; each
         batch's input of a Linear named in `observe` is handed to its callable. The output is
         written batch by batch into one tensor (no per-batch copies to concatenate: those doubled
-        the peak and, freed, stayed in the host allocator's heap)."""
+        the peak and, freed, stayed in the host allocator's heap): `out` when given, which may be
+        `hidden` itself (a batch is read before its rows are written)."""
         hooks = []
         for name, fn in (observe or {}).items():
             hooks.append(layer.get_submodule(name).register_forward_pre_hook(lambda mod, args, fn=fn: fn(args[0])))
-        out = None
         try:
             for s in range(0, hidden.shape[0], self.batch_size):
                 h = hidden[s:s + self.batch_size].to(self.device, non_blocking=True)
@@ -194,30 +204,36 @@ class Engine:
         quant = None
         if QUANT in hook.streams:
             quant = embed(self.cfg, quant_get, ids, self.dtype, self.device).to(host) if quant_get else fp
+        pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
         start, ckpt = 0, None
         if resume is not None:
             if not (hasattr(hook, "block_state") and hasattr(hook, "restore_block")):
                 raise TypeError(f"{type(hook).__name__} cannot be resumed: it lacks block_state/restore_block")
             ckpt = BlockCheckpoint(resume, self.log)
-            start, fp, quant = ckpt.restore(hook, n, fp, quant)
-        pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
+            start, quant = ckpt.restore(hook, n, fp, quant)
+            for i in progress(range(start), desc=f"{self.desc} (fp stream, resuming)", unit="block"):
+                fp = self.forward(load_block(self.cfg, i, self.get, self.dtype, self.device), fp, pos,
+                                  out=None if fp is quant else fp)
+        reads_fp_in = getattr(hook, "reads_fp_in", True)
         run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
         for i in progress(range(start, n), desc=self.desc, unit="block", total=n, initial=start):
             layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
             stores = {name: Capture(fp.shape[0]) for name in hook.capture}
-            fp_out = self.forward(layer, fp, pos, stores)
+            in_place = not reads_fp_in and fp is not quant  # block 0's quant stream is the fp stream's input
+            fp_out = self.forward(layer, fp, pos, stores, out=fp if in_place else None)
             captured = {name: store.tensor for name, store in stores.items()}
-            step = Step(i, layer, fp, fp_out, quant, captured, pos, run)
-            if not getattr(hook, "reads_fp_in", True):
-                step.fp_in = fp = None  # the hook reads the block's output, not its input
+            step = Step(i, layer, fp if reads_fp_in else None, fp_out, quant, captured, pos, run)
+            fp = fp_out
             out = hook.on_block(step)
-            del captured, stores, step
+            del captured, stores, step, layer
+            if isinstance(out, nn.Module):
+                if ckpt is not None:  # the quant stream is overwritten: block i-1's copy of it on disk first
+                    self._written(hook, ckpt, ckpt.wait())
+                out = self.forward(out, quant, pos, out=None if quant is fp else quant)
             if quant is not None:
                 quant = out
-            fp = fp_out
-            del layer
             if ckpt is not None:
-                self._written(hook, ckpt, ckpt.save(i, hook, fp, quant))
+                self._written(hook, ckpt, ckpt.save(i, hook, quant))
         if ckpt is not None:
             self._written(hook, ckpt, ckpt.wait())
         self.last = {FP: fp, QUANT: quant}

@@ -3,11 +3,12 @@
 
 After block i's hook returns, the engine writes into the stage's partial folder
 `block-<i>.safetensors` (the hook's results for that block: its tensors, its JSON record in the
-header), then `streams.safetensors` (the fp and quant activations leaving block i: only the
-latest is kept, replaced in one rename), in a thread while block i+1 computes. Every file is
-written to a temporary name, synced and renamed (pipelines/atomic.py), so a kill leaves whole
-files only. A re-run finds them, hands blocks 0..i back to the hook (`restore_block`) and
-continues at block i+1.
+header), then `streams.safetensors` (the quant activations leaving block i, when the hook has that
+stream: only the latest is kept, replaced in one rename), in a thread while block i+1 computes.
+Every file is written to a temporary name, synced and renamed (pipelines/atomic.py), so a kill
+leaves whole files only. A re-run finds them, hands blocks 0..i back to the hook
+(`restore_block`), recomputes the fp stream through the source blocks 0..i (cheaper than writing
+it: it depends on nothing the run decided) and continues at block i+1.
 
 The folder is `<cache>/<stage>/<key>.partial/`, next to where the finished stage will be
 published: the key covers everything that can change the stage's output (params, upstream keys,
@@ -66,19 +67,17 @@ class BlockCheckpoint:
         self.stage = self.folder.parent.name
         self._writing: tuple[int, threading.Thread, list] | None = None
 
-    def save(self, i: int, hook, fp: torch.Tensor, quant: torch.Tensor | None) -> int | None:
-        """Block i is finished: its hook state, then the streams leaving it (the order a resume
-        relies on), written by a thread while the next block computes (a stream is 0.5-2 GiB: about
-        a second of disk per block). The streams are read-only from here on. Waits for block i-1's
+    def save(self, i: int, hook, quant: torch.Tensor | None) -> int | None:
+        """Block i is finished: its hook state, then the quant stream leaving it (the order a resume
+        relies on), written by a thread while the next block computes (a stream is 0.5-2 GiB: seconds
+        of disk per block). `quant` must not change until wait() returns. Waits for block i-1's
         files first and returns its index (now on disk), or None."""
         tensors, meta = hook.block_state(i)
         tensors = {k: v.detach().cpu() for k, v in tensors.items()}  # copied here: the thread only reads host memory
-        streams, kind = {"fp": fp}, "none" if quant is None else "fp" if quant is fp else "own"
-        if kind == "own":
-            streams["quant"] = quant
+        streams = {} if quant is None else {"quant": quant}
         done = self.wait()
         files = [(self.folder / block_file(i), tensors, {"block": str(i), "state": canonical_json(meta)}),
-                 (self.folder / STREAMS, streams, {"block": str(i), "quant": kind})]
+                 (self.folder / STREAMS, streams, {"block": str(i)})]
         errors: list[BaseException] = []
 
         def write():
@@ -115,41 +114,37 @@ class BlockCheckpoint:
                 for k, v in header.items()}
 
     def restore(self, hook, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
-        """-> (first block to run, fp stream, quant stream): (0, fp, quant) when there is nothing
-        usable to resume from; otherwise the hook holds blocks 0..i again and the streams leave block i."""
+        """-> (first block to run, quant stream): (0, quant) when there is nothing usable to resume
+        from; otherwise the hook holds blocks 0..i again and the quant stream leaves block i (`fp`,
+        the embeddings, gives the shape; the caller recomputes the fp stream)."""
         if not (self.folder / STREAMS).is_file():
-            return 0, fp, quant  # no block finished (or none since its streams were written): start over
+            return 0, quant  # no block finished (or none since its streams were written): start over
         try:
-            last, fp, quant, records = self._load(n_blocks, fp, quant)
+            last, quant, records = self._load(n_blocks, fp, quant)
         except Unusable as e:
             self.log(f"{self.folder}/{e}; partial discarded, {self.stage} restarts at block 0")
             shutil.rmtree(self.folder, ignore_errors=True)
-            return 0, fp, quant
+            return 0, quant
         for i, (tensors, meta) in enumerate(records):
             hook.restore_block(i, tensors, meta)
         done = f"blocks 0..{last}" if last else "block 0"
         self.log(f"resuming {self.stage} at block {last + 1}/{n_blocks} ({done} from {self.folder})")
-        return last + 1, fp, quant
+        return last + 1, quant
 
     def _load(self, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
         streams, meta = _read(self.folder / STREAMS)
         try:
-            last, kind = int(meta["block"]), meta["quant"]
+            last = int(meta["block"])
         except (KeyError, ValueError):
-            raise Unusable(f"{STREAMS}: header lacks the block index and quant-stream kind") from None
+            raise Unusable(f"{STREAMS}: header lacks the block index") from None
         if not 0 <= last < n_blocks:
             raise Unusable(f"{STREAMS}: block {last}, expected one of 0..{n_blocks - 1}")
-        expected = ("none",) if quant is None else ("fp", "own")  # "fp": the quant stream is the fp stream
-        if kind not in expected or (kind == "own") != ("quant" in streams):
-            raise Unusable(f"{STREAMS}: quant stream {kind!r} with tensors {sorted(streams)}, expected "
-                           f"{' or '.join(map(repr, expected))} (a 'quant' tensor exactly when 'own')")
-        got = streams.get("fp")
-        if got is None or got.shape != fp.shape or got.dtype != fp.dtype:
-            raise Unusable(f"{STREAMS}: fp stream {None if got is None else (list(got.shape), got.dtype)}, "
-                           f"expected {list(fp.shape)} {fp.dtype}")
-        restored_quant = None if kind == "none" else got if kind == "fp" else streams["quant"]
-        if restored_quant is not None and restored_quant.shape != fp.shape:  # its dtype is the hook's output's
-            raise Unusable(f"{STREAMS}: quant stream {list(restored_quant.shape)}, expected {list(fp.shape)}")
+        want = [] if quant is None else ["quant"]
+        if sorted(streams) != want:
+            raise Unusable(f"{STREAMS}: tensors {sorted(streams)}, expected {want}")
+        restored = streams.get("quant")
+        if restored is not None and restored.shape != fp.shape:  # its dtype is the hook's output's
+            raise Unusable(f"{STREAMS}: quant stream {list(restored.shape)}, expected {list(fp.shape)}")
         records = []
         for i in range(last + 1):
             tensors, header = _read(self.folder / block_file(i))
@@ -159,4 +154,4 @@ class BlockCheckpoint:
                 records.append((tensors, json.loads(header["state"])))
             except (KeyError, ValueError):
                 raise Unusable(f"{block_file(i)}: header lacks block {i}'s index and JSON state") from None
-        return last, got, restored_quant, records
+        return last, restored, records

@@ -1,11 +1,12 @@
 """auto-round (SignRound) one decoder block at a time, through its block-level API.
 
 The pipeline's engine owns the loop over blocks; for each one, auto-round's `quantize_block`
-(the public entry llm-compressor's AutoRoundModifier uses) gets the block, the fp stream's inputs
-(its reference is the source block on them) and the quantized stream's inputs (what the tuned
-block reads: auto-round's `enable_quanted_input`). auto-round never sees a model, a tokenizer or a
-dataset of its own, and holds only the block. The tuned integers come back as `IntWeight`s for
-our GPTQ packing.
+(the public entry llm-compressor's AutoRoundModifier uses) gets the block, the quantized stream's
+inputs (what the tuned block reads, as with auto-round's `enable_quanted_input`) and the fp
+stream's output as its reference. auto-round never sees a model, a tokenizer or a dataset of its
+own, and holds only the block; the caller runs the tuned block on the stream itself (in place, so
+auto-round's own copy of the outputs is not made). The tuned integers come back as `IntWeight`s
+for our GPTQ packing.
 """
 from __future__ import annotations
 
@@ -83,7 +84,10 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
     plain_logs()
     dtype = next(layer.parameters()).dtype
     return AutoRound(
-        _OneBlock(layer, dtype), tokenizer="", scheme="W4A16", alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr),
+        # enable_quanted_input off: the inputs given already are the quantized stream, and the
+        # caller computes the tuned block's outputs (auto-round would hold a copy of them)
+        _OneBlock(layer, dtype), tokenizer="", scheme="W4A16",
+        alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr, enable_quanted_input=False),
         bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, nsamples=nsamples, seqlen=seqlen,
         batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device, enable_torch_compile=cfg.enable_torch_compile,
         enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
@@ -95,14 +99,14 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
 
 def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, position_embeddings,
                cfg: AutoRoundConfig, seed: int, device: str,
-               grids: dict[str, tuple[int, int]] | None = None) -> tuple[torch.Tensor, dict[str, IntWeight]]:
+               grids: dict[str, tuple[int, int]] | None = None) -> dict[str, IntWeight]:
     """SignRound on one block through auto-round's block-level API (`quantize_block`, the entry
     llm-compressor's AutoRoundModifier uses): the tuned block reads `inputs` (N, S, H), the
-    quantized stream (auto-round's `enable_quanted_input`; for block 0 the fp stream), and is
-    fitted to `reference`, the source block's output on the fp stream, which the caller already
-    has (auto-round's `reference_output`: it neither recomputes it nor holds the fp inputs).
-    Returns the tuned block's output on `inputs` and its Linears' integers, by name within the
-    block (`grids`: per-Linear (bits, group_size) other than the config's)."""
+    quantized stream (for block 0 the fp stream), and is fitted to `reference`, the source block's
+    output on the fp stream, which the caller already has (auto-round's `reference_output`: it
+    neither recomputes it nor holds the fp inputs). `layer` is left holding its quantized-
+    dequantized weights; returns its Linears' integers, by name within the block (`grids`:
+    per-Linear (bits, group_size) other than the config's)."""
     n, s = inputs.shape[:2]
     if s != cfg.seqlen:
         raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {s}")
@@ -114,10 +118,9 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         ar = compressor(layer, n, s, cfg, seed, device, grids)
         with torch.enable_grad():
-            # q_input None: `inputs` already is the quantized stream, the reference is given
-            q_out, _ = ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
-                                         device=device, auto_offload=False,
-                                         reference_output=[reference[i:i + 1] for i in range(n)])
+            ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
+                              device=device, auto_offload=False,
+                              reference_output=[reference[i:i + 1] for i in range(n)])
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         if was[2] is None:
@@ -127,19 +130,7 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     tuned = {name: int_weight(mod) for name, mod in layer.named_modules() if isinstance(mod, nn.Linear) and hasattr(mod, "scale")}
     if not tuned:
         raise QuantizerError("auto-round quantized no Linear of the block")
-    return stacked(q_out, inputs.shape), dict(sorted(tuned.items()))
-
-
-def stacked(outs, shape) -> torch.Tensor:
-    """auto-round's per-sample outputs as one (N, S, H) host tensor, each sample freed once copied:
-    never the list and a concatenation of it at once."""
-    if isinstance(outs, torch.Tensor):
-        return outs.to("cpu")
-    out = torch.empty(shape, dtype=outs[0].dtype)
-    for i in range(len(outs)):
-        out[i] = outs[i].reshape(shape[1:])
-        outs[i] = None
-    return out
+    return dict(sorted(tuned.items()))
 
 
 def plain_logs() -> None:

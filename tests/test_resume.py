@@ -127,7 +127,7 @@ def test_a_checkpointed_blocks_packed_weights_leave_memory_for_their_file(tmp_pa
 
     ckpt = BlockCheckpoint(tmp_path / "quantize" / "key.partial", print)
     ckpt.folder.mkdir(parents=True)
-    assert ckpt.save(0, Hook(), torch.zeros(2, 3, 4), None) is None  # nothing was pending
+    assert ckpt.save(0, Hook(), None) is None  # nothing was pending
     assert ckpt.wait() == 0  # block 0's files are on disk now
     map_packed(packed, ckpt.mapped(0))
     size = (ckpt.folder / block_file(0)).stat().st_size
@@ -156,8 +156,8 @@ def test_a_failed_checkpoint_write_is_raised_in_the_engine_not_lost_in_its_threa
     ckpt = resume.BlockCheckpoint(tmp_path / "quantize" / "key.partial", print)
     ckpt.folder.mkdir(parents=True)
     monkeypatch.setattr(resume, "_write", full_disk)
-    ckpt.save(0, Hook(), torch.zeros(2, 3, 4), None)
+    ckpt.save(0, Hook(), None)
     with pytest.raises(OSError, match="No space left on device"):
-        ckpt.save(1, Hook(), torch.zeros(2, 3, 4), None)
+        ckpt.save(1, Hook(), None)
     assert ckpt.wait() is None  # the failed write was reported once; block 1's was not started
     assert list(ckpt.folder.iterdir()) == []

@@ -3,7 +3,7 @@
 The engine streams the blocks: block 0 reads the summed text + n_vq audio embeddings of the
 multi-channel calibration set; each block is tuned by auto-round's block-level API against the
 source block on the fp stream while reading the quantized stream, and its output on that stream
-feeds the next block. Only `language_model.layers` is tuned; embeddings, heads and norms stay
+(the engine's, written in place) feeds the next block. Only `language_model.layers` is tuned; embeddings, heads and norms stay
 BF16. The tuned integers are packed by our GPTQ packing under upstream MOSS names, in
 auto-round's own format.
 """
@@ -46,13 +46,13 @@ class AutoRoundHook:
         pre = f"{BLOCK_PREFIX}.{step.index}."
         grids = {n.removeprefix(pre): g for n, g in self.grids.items() if n.startswith(pre)}
         try:
-            q_out, tuned = tune_block(step.layer, step.quant_in, step.fp_out, step.position_embeddings, self.cfg,
-                                      block_seed(self.seed, step.index), self.device, grids)
+            tuned = tune_block(step.layer, step.quant_in, step.fp_out, step.position_embeddings, self.cfg,
+                               block_seed(self.seed, step.index), self.device, grids)
             for name, iw in tuned.items():
                 self.packed[f"{BLOCK_PREFIX}.{step.index}.{name}"] = pack(iw, "gptq")
         except QuantizerError as e:
             raise PipelineError(str(e)) from None
-        return q_out
+        return step.layer  # tuned: the engine runs it on the quant stream
 
     def block_state(self, i: int):
         pre = f"{BLOCK_PREFIX}.{i}."

@@ -146,9 +146,10 @@ class MeasureHook:
         ref = step.run(step.layer, q_in)  # the source block on its real inputs
         tuned, stream = {}, None
         for grid in parse_grids(p.grids):
-            out, tuned[grid] = self._tune(copy.deepcopy(step.layer), step, grid)
+            layer = copy.deepcopy(step.layer)
+            tuned[grid] = self._tune(layer, step, grid)
             if grid == tuple(p.stream_grid):
-                stream = out
+                stream = layer  # the engine runs it on the quant stream
         for m in BLOCK_LINEARS:  # each Linear's tuned weights alone in the source block
             mod = step.layer.get_submodule(m)
             source, scores = mod.weight, {}
