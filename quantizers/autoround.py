@@ -130,6 +130,7 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     tuned = {name: int_weight(mod) for name, mod in layer.named_modules() if isinstance(mod, nn.Linear) and hasattr(mod, "scale")}
     if not tuned:
         raise QuantizerError("auto-round quantized no Linear of the block")
+    layer.to(device)  # auto-round hands the block back on the host; the caller runs it next, on the device
     return dict(sorted(tuned.items()))
 
 
