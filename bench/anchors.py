@@ -70,7 +70,7 @@ def settings(anchor: str, model: str, profile: str | None = None) -> dict:
     return {"bits": q.bits, "group_size": q.group_size, "sym": q.sym, "iters": q.iters, "nsamples": q.nsamples,
             "seqlen": q.seqlen, "batch_size": q.batch_size, "lr": q.lr,
             "enable_deterministic_algorithms": q.enable_deterministic_algorithms,
-            "low_gpu_mem_usage": q.low_gpu_mem_usage, "seed": prof.seed}
+            "low_gpu_mem_usage": q.low_gpu_mem_usage, "enable_torch_compile": q.enable_torch_compile, "seed": prof.seed}
 
 
 def calib_ids(folder: Path, n: int, seqlen: int, seed: int) -> torch.Tensor:
@@ -107,7 +107,8 @@ def run_autoround(folder: Path, s: dict, device: str) -> dict:
     started = _stats_start()
     ours = {} if s.get("defaults") else {
         "batch_size": s["batch_size"], "lr": s["lr"], "enable_deterministic_algorithms": s["enable_deterministic_algorithms"],
-        "low_gpu_mem_usage": s["low_gpu_mem_usage"] and device.startswith("cuda"), "enable_torch_compile": False}
+        "low_gpu_mem_usage": s["low_gpu_mem_usage"] and device.startswith("cuda"),
+        "enable_torch_compile": s["enable_torch_compile"] and device.startswith("cuda")}
     ar = AutoRound(str(folder), bits=s["bits"], group_size=s["group_size"], sym=s["sym"],
                    dataset=[row.unsqueeze(0) for row in ids], iters=s["iters"], nsamples=s["nsamples"],
                    seqlen=s["seqlen"], seed=s["seed"], device_map=device, **ours)
@@ -118,7 +119,7 @@ def run_autoround(folder: Path, s: dict, device: str) -> dict:
     return stats
 
 
-# anchor -> the profile whose settings it runs with: at our settings (our batch, deterministic, no compile)
+# anchor -> the profile whose settings it runs with: at our settings (our batch, determinism, compile)
 # and as its users run it (`-defaults`)
 ANCHORS = {"autoawq": "awq4", "autoawq-defaults": "awq4", "auto-round": "autoround-q3",
            "auto-round-defaults": "autoround-q3"}

@@ -315,6 +315,7 @@ def main(argv=None) -> None:
     p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated subset")
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
                    help="run autoawq and auto-round directly (default: on, off with --smoke)")
+    p.add_argument("--only-anchors", help="comma-separated subset of the anchors (default all of the profiles')")
     p.add_argument("--smoke", action="store_true", help="tiny fixtures on CPU with small settings (CI)")
     p.add_argument("--keep", action="store_true", help="keep each run's stage cache and bundle")
     p.add_argument("--repeat", type=int, default=1,
@@ -362,6 +363,9 @@ def main(argv=None) -> None:
                 continue
             if profile not in requested:
                 skipped[anchor] = f"its profile {profile} is not in --profiles"
+                continue
+            if args.only_anchors and anchor not in args.only_anchors.split(","):
+                skipped[anchor] = "not in --only-anchors"
                 continue
             copy = str(bench_profile(profile, gen_spec.name, work, args.smoke)) if args.smoke else None  # the same shrink
             s = settings(anchor, gen_spec.name, copy)

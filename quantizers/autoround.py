@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,12 @@ class AutoRoundConfig:
     batch_size: int = 8
     lr: float | None = None
     enable_deterministic_algorithms: bool = True
-    low_gpu_mem_usage: bool = True  # offload cached block inputs; only used on CUDA
-    enable_torch_compile: bool = False  # auto-round's default is on; bench/autoround_settings.py measures both
+    # CUDA only. True: the block's inputs and reference outputs stay on the host, a batch at a time
+    # on the GPU (the 8 GiB budget at 128 x 2048: each is 2 GiB); False: both on the GPU.
+    low_gpu_mem_usage: bool = True
+    # CUDA only (on the CPU inductor would compile C++ for minutes). auto-round's default is on;
+    # measured deterministic with enable_deterministic_algorithms (bench/autoround_settings.py).
+    enable_torch_compile: bool = False
 
     def validate(self):
         if self.bits not in FORMAT_BITS:
@@ -89,8 +94,8 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
         _OneBlock(layer, dtype), tokenizer="", scheme="W4A16",
         alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr, enable_quanted_input=False),
         bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, nsamples=nsamples, seqlen=seqlen,
-        batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device, enable_torch_compile=cfg.enable_torch_compile,
-        enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
+        batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device,
+        enable_torch_compile=compiled(cfg, device), enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
         low_gpu_mem_usage=cfg.low_gpu_mem_usage and str(device).startswith("cuda"), to_quant_block_names="model.layers",
         layer_config={f"model.layers.0.{name}": {"bits": b, "group_size": g}
                       for name, (b, g) in (grids or {}).items() if (b, g) != (cfg.bits, cfg.group_size)} or None,
@@ -113,11 +118,13 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     if reference.shape != inputs.shape:
         raise QuantizerError(f"block reference: expected shape {list(inputs.shape)}, got {list(reference.shape)}")
     kwargs = {"position_embeddings": position_embeddings, "attention_mask": None}
+    if str(device).startswith("cuda") and not cfg.low_gpu_mem_usage:
+        inputs, reference = inputs.to(device), reference.to(device)
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         ar = compressor(layer, n, s, cfg, seed, device, grids)
-        with torch.enable_grad():
+        with torch.enable_grad(), best_params_in_place():
             ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
                               device=device, auto_offload=False,
                               reference_output=[reference[i:i + 1] for i in range(n)])
@@ -132,6 +139,40 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
         raise QuantizerError("auto-round quantized no Linear of the block")
     layer.to(device)  # auto-round hands the block back on the host; the caller runs it next, on the device
     return dict(sorted(tuned.items()))
+
+
+def compiled(cfg: AutoRoundConfig, device: str) -> bool:
+    return cfg.enable_torch_compile and str(device).startswith("cuda")
+
+
+@contextmanager
+def best_params_in_place():
+    """auto-round copies every rounding parameter of the block each time the loss improves, into new
+    tensors, on the host under low_gpu_mem_usage: at 8B widths 0.8 GB a time, synchronous and to
+    freshly allocated pageable memory, half the tuning time (bench/autoround_settings.py). Here one
+    copy is kept on the parameters' device and overwritten in place, as auto-round's own diffusion
+    tuning cache does: the same values, so the same result."""
+    from auto_round.algorithms.quantization.sign_round import quantizer
+
+    kept: dict = {}
+
+    def collect(block, cache_device="cpu"):
+        for name, m in block.named_modules():
+            if hasattr(m, "orig_layer"):
+                best = kept.setdefault(name, {})
+                for key, p in m.params.items():
+                    if key in best:
+                        best[key].copy_(p.data)
+                    else:
+                        best[key] = p.data.clone()
+        return kept
+
+    original = quantizer.collect_best_params
+    quantizer.collect_best_params = collect
+    try:
+        yield
+    finally:
+        quantizer.collect_best_params = original
 
 
 def plain_logs() -> None:
@@ -171,8 +212,8 @@ def tuning_record(cfg: AutoRoundConfig) -> dict:
         "autoround_version": auto_round.__version__, "enable_quanted_input": True, "enable_minmax_tuning": True}
 
 
-def determinism_record(cfg: AutoRoundConfig) -> dict:
+def determinism_record(cfg: AutoRoundConfig, device: str) -> dict:
     """What auto-round ran under (it sets these for its own run; the manifest's environment shows the
     process settings before and after)."""
-    return {"deterministic_algorithms": True, "deterministic_warn_only": not cfg.enable_deterministic_algorithms,
-            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": cfg.enable_torch_compile}
+    return {"deterministic_algorithms": cfg.enable_deterministic_algorithms,
+            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": compiled(cfg, device)}

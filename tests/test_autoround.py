@@ -168,6 +168,38 @@ def test_the_tuned_block_holds_exactly_the_weights_its_integers_give(small_run):
         assert torch.equal(w, iw.dequantize(w.dtype)), name
 
 
+def test_best_params_kept_in_place_give_what_auto_rounds_own_copies_give(tiny_path, monkeypatch):
+    """auto-round's best-so-far parameters, overwritten in place on the device instead of copied anew
+    at every improvement: the same integers and scales, bit for bit, and auto-round's own function is
+    back afterwards."""
+    import contextlib
+
+    from auto_round.algorithms.quantization.sign_round import quantizer
+    from quantizers import autoround
+
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
+    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
+    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    cfg = AutoRoundConfig(iters=6, nsamples=4, seqlen=64, batch_size=2, lr=0.01)  # the loss improves every step
+    own = quantizer.collect_best_params
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return own(*a, **k)
+
+    ours = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    assert quantizer.collect_best_params is own
+    monkeypatch.setattr(autoround, "best_params_in_place", contextlib.nullcontext)
+    monkeypatch.setattr(quantizer, "collect_best_params", counted)
+    theirs = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    assert len(calls) > 1  # several improvements: a kept reference instead of a copy would show
+    for name, iw in ours.items():
+        assert torch.equal(iw.q, theirs[name].q) and torch.equal(iw.scales, theirs[name].scales), name
+
+
 def test_a_reference_of_another_shape_is_one_clear_error(tiny_path):
     x = torch.zeros(2, 64, 256)
     with pytest.raises(QuantizerError, match=r"block reference: expected shape \[2, 64, 256\], got \[2, 32, 256\]"):

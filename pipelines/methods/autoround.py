@@ -85,6 +85,6 @@ def quantize(ctx, cfg: AutoRoundConfig, device: str) -> Weights:
         "driven_by": "the engine, one block at a time through auto-round's quantize_block",
         "block_seeds": "sha256(profile seed, block index): each block tuned independently of the others' draws",
         "low_gpu_mem_usage": cfg.low_gpu_mem_usage and device.startswith("cuda"),
-        "determinism": determinism_record(cfg),
+        "determinism": determinism_record(cfg, device),
     }
     return Weights(hook.packed, qc, details=details)
