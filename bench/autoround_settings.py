@@ -39,7 +39,8 @@ SETTINGS = (("deterministic, on the host", True, False, True),
             ("not deterministic + compile, on the host", False, True, True),
             ("deterministic, on the GPU", True, False, False),
             ("deterministic + compile, on the GPU", True, True, False),
-            ("not deterministic + compile, on the GPU (auto-round's defaults)", False, True, False))
+            ("not deterministic + compile, on the GPU (auto-round's defaults)", False, True, False),
+            ("deterministic + compile, inputs on the GPU, reference on the host", True, True, True, "inputs"))
 
 
 def main(argv=None) -> None:
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
     env = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": args.model, "nsamples": args.nsamples, "seqlen": args.seqlen, "iters": args.iters}
     rows, baseline = [], None
-    for name, det, comp, low in chosen:
+    for name, det, comp, low, *placed in chosen:
         cfg = AutoRoundConfig(nsamples=args.nsamples, seqlen=args.seqlen, iters=args.profile or args.iters,
                               enable_deterministic_algorithms=det, enable_torch_compile=comp, low_gpu_mem_usage=low)
         first = None
@@ -96,7 +97,7 @@ def main(argv=None) -> None:
                 if args.profile:
                     ints = profiled(lambda: tune_block(block, x, ref, pos, cfg, seed=0, device=device), name, cuda)
                 else:
-                    ints = tune_block(block, x, ref, pos, cfg, seed=0, device=device)
+                    ints = tune_block(block, x.to(device) if placed else x, ref, pos, cfg, seed=0, device=device)
             except Exception as e:  # a setting that cannot run here (no compiler for torch.compile, say) is a row too
                 rows.append(row | {"error": f"{type(e).__name__}: {e}"[:500]})
                 print(json.dumps(rows[-1]), flush=True)
