@@ -96,7 +96,7 @@ def run_autoawq(folder: Path, s: dict, device: str) -> dict:
     model.quantize(tok, quant_config=s["quant_config"], calib_data=ids, max_calib_samples=s["max_calib_samples"],
                    max_calib_seq_len=s["max_calib_seq_len"], **ours)
     stats["quantize"] = _stats_end(started)
-    return stats
+    return stats, decoder_layers(model.model)
 
 
 def run_autoround(folder: Path, s: dict, device: str) -> dict:
@@ -116,7 +116,44 @@ def run_autoround(folder: Path, s: dict, device: str) -> dict:
     started = _stats_start()
     ar.quantize()
     stats["quantize"] = _stats_end(started)
-    return stats
+    return stats, decoder_layers(ar.model)
+
+
+def decoder_layers(model) -> dict[str, torch.Tensor]:
+    """What the anchor left in the Qwen3 decoder layers, in BF16 on the host under the backbone's
+    names: autoawq's packed GEMM Linears dequantized by autoawq's own unpacker, auto-round's
+    quantized-dequantized weights and the norms (AWQ folds its scales into them) as they are."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        for name, m in layer.named_modules():
+            if type(m).__name__ == "WQLinear_GEMM":
+                from awq.utils.packing_utils import dequantize_gemm
+
+                w = dequantize_gemm(m.qweight, m.qzeros, m.scales, m.w_bit, m.group_size).t()
+                out[f"model.layers.{i}.{name}.weight"] = w.to("cpu", torch.bfloat16)
+        for name, t in layer.state_dict().items():
+            if t.is_floating_point() and not name.endswith(("scales", "qweight", "qzeros")):
+                out.setdefault(f"model.layers.{i}.{name}", t.to("cpu", torch.bfloat16))
+    return out
+
+
+def held_out(generator: Path, layers: dict[str, torch.Tensor], ev: dict, device: str) -> dict:
+    """The anchor's decoder layers in the MOSS generator, scored by the evaluate stage's own `compare`
+    against BF16 on the held-out set the profile was scored on (embeddings, heads and final norm
+    are the source's, as in our bundles)."""
+    from pipelines.calibration import build
+    from pipelines.evaluate import compare
+
+    ckpt = Checkpoint(generator)
+    prefix = "language_model."
+    mapped = {name: "model." + name.removeprefix(prefix) for name in ckpt.keys() if name.startswith(prefix + "layers.")}
+    missing = sorted(n for n, k in mapped.items() if k not in layers)
+    if missing:
+        raise RuntimeError(f"the anchor's model has no {mapped[missing[0]]} (for {missing[0]}; {len(missing)} missing)")
+    held = build(ev["dataset"], ckpt.config(), ev["nsamples"], ev["seqlen"], generator)
+    metrics = compare(ckpt.config(), ckpt.get, lambda n: layers[mapped[n]] if n in mapped else ckpt.get(n), held.ids,
+                      device=device, batch_size=ev["batch_size"])
+    return {"dataset": {"name": held.name, "sha256": held.sha256}, "metrics": metrics}
 
 
 # anchor -> the profile whose settings it runs with: at our settings (our batch, determinism, compile)

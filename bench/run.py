@@ -140,11 +140,20 @@ def child(job_file: str) -> None:
                          cache_root=job["cache"], bundle_root=Path(job["bundles"]))
         out = {"stages": ctx.stats, "gate": ctx.results.get("gate", {}).get("status"),
                "bundle_gib": round(sum(p.stat().st_size for p in Path(ctx.bundle).rglob("*") if p.is_file()) / 2**30, 3)}
+        if "evaluate" in ctx.results:
+            ev = ctx.results["evaluate"]
+            out["fidelity"] = {"dataset": ev["dataset"], "metrics": ev["metrics"]}
+            if "baseline" in ev:
+                out["fidelity_baseline"] = {"method": ev["baseline"]["method"], "metrics": ev["baseline"]["metrics"]}
     else:
-        from bench.anchors import RUNNERS
+        from bench.anchors import RUNNERS, held_out
         from pipelines.stages import resolve_device
 
-        out = {"stages": RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], resolve_device("auto"))}
+        device = resolve_device("auto")
+        stats, layers = RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], device)
+        out = {"stages": stats}
+        if job.get("evaluate"):  # outside the stages: their time and memory are the anchor's own
+            out["fidelity"] = held_out(Path(job["generator"]), layers, job["evaluate"], device)
     out["process_wall_s"] = round(time.perf_counter() - started, 3)
     out["process_peak_rss_gib"] = max(s["peak_rss_gib"] for s in out["stages"].values())  # stage peaks reset VmHWM
     Path(job["result"]).write_text(json.dumps(out, indent=2))
@@ -298,6 +307,16 @@ def markdown(report: dict) -> str:
                      f"| {fmt(c.get('ratio'))} | {fmt(c.get('anchor_load_quantize_s'))} | {fmt(c.get('ratio_with_load'))} "
                      f"| {c['ours_per_block_s']} | {fmt(c.get('anchor_per_block_s'))} "
                      f"| {c['ours_36_blocks_s_extrapolated']} | {fmt(c.get('anchor_36_blocks_s_extrapolated'))} |")
+    lines += ["", "### Fidelity on the held-out set (the evaluate stage's `compare` against BF16, same set)", "",
+              "| run | held-out set (sha256) | kl_audio_mean | kl_audio_max | top1_audio_mean | kl_text |",
+              "|---|---|---:|---:|---:|---:|"]
+    for name, run in report["runs"].items():
+        for label, fid in ((name, run.get("fidelity")), (f"{name}: {run.get('fidelity_baseline', {}).get('method')} on "
+                                                          "the same grid", run.get("fidelity_baseline"))):
+            if fid and "kl_audio_mean" in fid["metrics"]:  # the generator's (the codec's evaluation scores audio)
+                m, ds = fid["metrics"], fid.get("dataset") or run["fidelity"]["dataset"]
+                lines.append(f"| {label} | {ds['name']} ({ds['sha256'][:12]}) | {m['kl_audio_mean']} | {m['kl_audio_max']} "
+                             f"| {m['top1_audio_mean']} | {m['kl_text']} |")
     lines += ["", "### Targets (issue 16)", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in report["targets"]]
     if report["skipped"]:
@@ -328,6 +347,7 @@ def main(argv=None) -> None:
     import torch
 
     from bench.anchors import ANCHORS, settings
+    from pipelines.api import plan
     from pipelines.profile import known_profiles
     from pipelines.environment import library_versions
 
@@ -369,7 +389,9 @@ def main(argv=None) -> None:
                 continue
             copy = str(bench_profile(profile, gen_spec.name, work, args.smoke)) if args.smoke else None  # the same shrink
             s = settings(anchor, gen_spec.name, copy)
-            jobs[anchor] = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s}
+            ev = plan(jobs[profile]["profile"], gen_spec.name).stages.get("evaluate")  # the set ours is scored on
+            jobs[anchor] = {"what": anchor, "snapshot": str(fx["backbone"]), "settings": s, "generator": str(gen_path),
+                            "evaluate": ev and {k: getattr(ev, k) for k in ("dataset", "nsamples", "seqlen", "batch_size")}}
     else:
         skipped["anchors"] = "not requested (--anchors)"
     tries = {name: [] for name in jobs}

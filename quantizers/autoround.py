@@ -92,8 +92,9 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
         # enable_quanted_input off: the inputs given already are the quantized stream, and the
         # caller computes the tuned block's outputs (auto-round would hold a copy of them)
         _OneBlock(layer, dtype), tokenizer="", scheme="W4A16",
-        alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr, enable_quanted_input=False),
-        bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym, nsamples=nsamples, seqlen=seqlen,
+        alg_configs=SignRoundConfig(iters=cfg.iters, lr=cfg.lr, enable_quanted_input=False,
+                                    bits=cfg.bits, group_size=cfg.group_size, sym=cfg.sym),
+        nsamples=nsamples, seqlen=seqlen,
         batch_size=min(cfg.batch_size, nsamples), seed=seed, device_map=device,
         enable_torch_compile=compiled(cfg, device), enable_deterministic_algorithms=cfg.enable_deterministic_algorithms,
         low_gpu_mem_usage=cfg.low_gpu_mem_usage and str(device).startswith("cuda"), to_quant_block_names="model.layers",

@@ -38,3 +38,10 @@ def test_smoke_records_every_profile_and_the_anchors_in_the_same_run(tmp_path):
         assert row["profile"] == profile and row["ratio"] > 0
         assert row["ratio_with_load"] < row["ratio"]  # the anchor's load (reading, library setup) counted too
         assert f"{profile}: quantize wall <= " in "".join(targets) and f"| {profile} | {anchor} |" in proc.stdout
+        ours, theirs = report["runs"][profile]["fidelity"], report["runs"][anchor]["fidelity"]
+        assert theirs["dataset"] == ours["dataset"]  # scored on the held-out set ours was scored on
+        assert theirs["metrics"]["kl_audio_mean"] > 0  # the anchor's quantized layers were scored, not the source's
+        if profile == "awq4":  # autoawq's layers, dequantized by its unpacker: AWQ, far better than RTN on its grid
+            rtn = report["runs"][profile]["fidelity_baseline"]["metrics"]["kl_audio_mean"]
+            assert theirs["metrics"]["kl_audio_mean"] < rtn / 2
+    assert "### Fidelity on the held-out set" in (out / "bench.md").read_text()
