@@ -80,7 +80,7 @@ def calib_ids(folder: Path, n: int, seqlen: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seqlen), generator=torch.Generator().manual_seed(seed))
 
 
-def run_autoawq(folder: Path, s: dict, device: str) -> dict:
+def run_autoawq(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
     from awq import AutoAWQForCausalLM
     from transformers import PreTrainedTokenizerFast
 
@@ -99,7 +99,7 @@ def run_autoawq(folder: Path, s: dict, device: str) -> dict:
     return stats, decoder_layers(model.model)
 
 
-def run_autoround(folder: Path, s: dict, device: str) -> dict:
+def run_autoround(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
     from auto_round import AutoRound
 
     ids = calib_ids(folder, s["nsamples"], s["seqlen"], s["seed"])

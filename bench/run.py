@@ -6,6 +6,8 @@
 Builds the fixtures (pinned in memory: the committed model YAMLs are left alone), runs each profile
 through the pipeline and each anchor directly, every one in a fresh subprocess (so peak host RSS is
 per run), and writes `bench.md` (the tables, also printed) and `bench.json` (raw figures) to --out.
+Each anchor's output is also scored on the held-out set its profile is scored on, after its timed
+stages (speed is compared beside fidelity, never alone).
 """
 from __future__ import annotations
 
@@ -153,7 +155,10 @@ def child(job_file: str) -> None:
         stats, layers = RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], device)
         out = {"stages": stats}
         if job.get("evaluate"):  # outside the stages: their time and memory are the anchor's own
-            out["fidelity"] = held_out(Path(job["generator"]), layers, job["evaluate"], device)
+            try:  # a scoring failure is reported beside the anchor's figures, which stay
+                out["fidelity"] = held_out(Path(job["generator"]), layers, job["evaluate"], device)
+            except Exception as e:
+                out["fidelity_failed"] = f"{type(e).__name__}: {e}"
     out["process_wall_s"] = round(time.perf_counter() - started, 3)
     out["process_peak_rss_gib"] = max(s["peak_rss_gib"] for s in out["stages"].values())  # stage peaks reset VmHWM
     Path(job["result"]).write_text(json.dumps(out, indent=2))
@@ -311,6 +316,8 @@ def markdown(report: dict) -> str:
               "| run | held-out set (sha256) | kl_audio_mean | kl_audio_max | top1_audio_mean | kl_text |",
               "|---|---|---:|---:|---:|---:|"]
     for name, run in report["runs"].items():
+        if "fidelity_failed" in run:
+            lines.append(f"| {name} | failed: {run['fidelity_failed']} | | | | |")
         for label, fid in ((name, run.get("fidelity")), (f"{name}: {run.get('fidelity_baseline', {}).get('method')} on "
                                                           "the same grid", run.get("fidelity_baseline"))):
             if fid and "kl_audio_mean" in fid["metrics"]:  # the generator's (the codec's evaluation scores audio)
