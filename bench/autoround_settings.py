@@ -93,11 +93,12 @@ def main(argv=None) -> None:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t = time.perf_counter()
-            try:
+            try:  # `placed`: the inputs moved to the device here (inside the timing and the peak), the reference not
+                xin = x.to(device) if placed else x
                 if args.profile:
-                    ints = profiled(lambda: tune_block(block, x, ref, pos, cfg, seed=0, device=device), name, cuda)
+                    ints = profiled(lambda: tune_block(block, xin, ref, pos, cfg, seed=0, device=device), name, cuda)
                 else:
-                    ints = tune_block(block, x.to(device) if placed else x, ref, pos, cfg, seed=0, device=device)
+                    ints = tune_block(block, xin, ref, pos, cfg, seed=0, device=device)
             except Exception as e:  # a setting that cannot run here (no compiler for torch.compile, say) is a row too
                 rows.append(row | {"error": f"{type(e).__name__}: {e}"[:500]})
                 print(json.dumps(rows[-1]), flush=True)
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
             print(json.dumps(rows[-1]), flush=True)
             if args.out:  # after every row: a run cut off by a time limit keeps what it measured
                 Path(args.out).write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-            del block, out, ints
+            del block, out, ints, xin
     print("| setting | run | wall s | peak GPU GiB | block output MSE | codes equal run 1 | codes equal first setting's |\n"
           "|---|---:|---:|---:|---:|---|---|")
     for r in rows:
