@@ -142,6 +142,15 @@ class Engine:
     last: dict = field(default_factory=dict)  # the final hidden states of each stream after run()
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
 
+    def host_empty(self, shape, dtype) -> torch.Tensor:
+        """A stream's host tensor: page-locked when the blocks run on a GPU, so that its batches move
+        by DMA, asynchronously (auto-round's slots are filled a step ahead from it), instead of
+        through a synchronous bounce buffer."""
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.device(self.device).type == "cuda")
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        return self.host_empty(x.shape, x.dtype).copy_(x)
+
     @torch.no_grad()
     def forward(self, layer: nn.Module, hidden: torch.Tensor, pos, observe: dict | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +168,8 @@ class Engine:
                 o = layer(h, attention_mask=None, position_embeddings=pos, position_ids=None)
                 o = o[0] if isinstance(o, tuple) else o
                 if out is None:
-                    out = torch.empty((hidden.shape[0], *o.shape[1:]), dtype=o.dtype, device=hidden.device)
+                    out = self.host_empty((hidden.shape[0], *o.shape[1:]), o.dtype) if hidden.device.type == "cpu" \
+                        else torch.empty((hidden.shape[0], *o.shape[1:]), dtype=o.dtype, device=hidden.device)
                 out[s:s + o.shape[0]].copy_(o)
         finally:
             for h in hooks:
@@ -199,11 +209,11 @@ class Engine:
         embeddings, or from `quant_get`'s when the candidate model has its own. With `resume`,
         each finished block is checkpointed there and the blocks a previous run finished are
         restored instead of run (`hook` is then a ResumableHook)."""
-        host, n = "cpu", self.cfg.num_layers
-        fp = embed(self.cfg, self.get, ids, self.dtype, self.device).to(host)
+        n = self.cfg.num_layers
+        fp = self.to_host(embed(self.cfg, self.get, ids, self.dtype, self.device))
         quant = None
         if QUANT in hook.streams:
-            quant = embed(self.cfg, quant_get, ids, self.dtype, self.device).to(host) if quant_get else fp
+            quant = self.to_host(embed(self.cfg, quant_get, ids, self.dtype, self.device)) if quant_get else fp
         pos = rotary(self.cfg, ids.shape[1], self.dtype, self.device)
         start, ckpt = 0, None
         if resume is not None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from contextlib import contextmanager
+import random
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +120,15 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     if reference.shape != inputs.shape:
         raise QuantizerError(f"block reference: expected shape {list(inputs.shape)}, got {list(reference.shape)}")
     kwargs = {"position_embeddings": position_embeddings, "attention_mask": None}
-    if str(device).startswith("cuda") and not cfg.low_gpu_mem_usage:
+    cuda = str(device).startswith("cuda")
+    if cuda and not cfg.low_gpu_mem_usage:
         inputs, reference = inputs.to(device), reference.to(device)
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         ar = compressor(layer, n, s, cfg, seed, device, grids)
-        with torch.enable_grad(), best_params_in_place():
+        staged = staged_batches(device) if cuda and cfg.low_gpu_mem_usage else nullcontext()  # streams on the host
+        with torch.enable_grad(), best_params_in_place(), staged:
             ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
                               device=device, auto_offload=False,
                               reference_output=[reference[i:i + 1] for i in range(n)])
@@ -174,6 +177,122 @@ def best_params_in_place():
         yield
     finally:
         quantizer.collect_best_params = original
+
+
+@contextmanager
+def staged_batches(device: str):
+    """Under low_gpu_mem_usage auto-round's loop gathers each batch of the block's inputs and reference
+    from the host inside the step (a host `torch.cat`, then a synchronous copy): 6-8 s of a 20 s
+    block at 8B widths, the GPU idle meanwhile. For the length of the tuning, each batch is copied
+    one step ahead, on a side stream, into one of two device slots, and the loop's two lists hand
+    out views of the slot: the same values, so the same result. The next batch is forecast from
+    auto-round's own sampler (as its diffusion tuning cache does); a batch the forecast missed is
+    copied when it is drawn. Yields counts of the batches served prefetched and not."""
+    from auto_round.algorithms.quantization.sign_round.quantizer import IndexSampler, SignRoundQuantizer
+
+    counts = {"prefetched": 0, "copied_when_drawn": 0}
+    tune, draw = SignRoundQuantizer.quantize_block, IndexSampler.next_batch
+
+    def staged_tune(self, block, fp_inputs, input_others, fp_outputs, q_inputs=None, *args, **kwargs):
+        if q_inputs is not None or not (isinstance(fp_inputs, list) and isinstance(fp_outputs, list)):
+            return tune(self, block, fp_inputs, input_others, fp_outputs, q_inputs, *args, **kwargs)
+        slots = _Slots((fp_inputs, fp_outputs), device)
+
+        def staged_draw(sampler):
+            batch = draw(sampler)
+            slots.take(batch)
+            slots.stage(_upcoming(sampler))
+            return batch
+
+        IndexSampler.next_batch = staged_draw
+        try:
+            return tune(self, block, slots.lists[0], input_others, slots.lists[1], q_inputs, *args, **kwargs)
+        finally:
+            IndexSampler.next_batch = draw
+            slots.close()
+            for key in counts:
+                counts[key] += slots.counts[key]
+
+    SignRoundQuantizer.quantize_block = staged_tune
+    try:
+        yield counts
+    finally:
+        SignRoundQuantizer.quantize_block = tune
+
+
+def _upcoming(sampler) -> list[int]:
+    """What auto-round's `IndexSampler.next_batch` returns next, without advancing it or the RNG."""
+    if sampler.index + sampler.batch_size > sampler.nsamples:
+        rng = random.Random()
+        rng.setstate(random.getstate())
+        order = list(sampler.indices)
+        rng.shuffle(order)
+        return order[:sampler.batch_size]
+    return sampler.indices[sampler.index:sampler.index + sampler.batch_size]
+
+
+class _Slots:
+    """Two device slots of one batch of each stream (lists of per-sample (1, ...) host tensors)."""
+
+    def __init__(self, streams: tuple[list, list], device: str):
+        self.streams, self.device = streams, torch.device(device)
+        self.copier = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.slots = [{"batch": None, "rows": {}, "tensors": None, "ready": None} for _ in range(2)]
+        self.current = None
+        self.counts = {"prefetched": 0, "copied_when_drawn": 0}
+        self.lists = [_Served(self, k, s) for k, s in enumerate(streams)]
+
+    def stage(self, batch: list[int]) -> dict:
+        slot = self.slots[1] if self.current is self.slots[0] else self.slots[0]
+        if slot["tensors"] is None or slot["tensors"][0].shape[0] != len(batch):
+            slot["tensors"] = [torch.empty((len(batch), *s[0].shape[1:]), dtype=s[0].dtype, device=self.device)
+                               for s in self.streams]
+        if self.copier is None:
+            self._copy(slot, batch)
+        else:  # after everything the step has queued so far: the slot's last batch is read by then
+            self.copier.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copier):
+                self._copy(slot, batch)
+                slot["ready"] = torch.cuda.Event()
+                slot["ready"].record(self.copier)
+        slot["batch"], slot["rows"] = list(batch), {i: r for r, i in enumerate(batch)}
+        return slot
+
+    def _copy(self, slot: dict, batch: list[int]) -> None:
+        for src, dest in zip(self.streams, slot["tensors"]):
+            for r, i in enumerate(batch):
+                dest[r:r + 1].copy_(src[i], non_blocking=True)
+
+    def take(self, batch: list[int]) -> None:
+        slot = next((s for s in self.slots if s["batch"] == list(batch)), None)
+        self.counts["copied_when_drawn" if slot is None else "prefetched"] += 1
+        slot = slot or self.stage(batch)
+        if slot["ready"] is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot["ready"])
+        self.current = slot
+
+    def row(self, k: int, i: int) -> torch.Tensor | None:
+        r = self.current["rows"].get(i) if self.current else None
+        return None if r is None else self.current["tensors"][k][r:r + 1]
+
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.synchronize()  # the host streams are overwritten next: no copy may still read them
+        self.slots, self.current = [], None
+
+
+class _Served(list):
+    """auto-round's list of one stream's samples: a sample of the batch in flight comes from its slot."""
+
+    def __init__(self, slots: _Slots, k: int, samples: list):
+        super().__init__(samples)
+        self.slots, self.k = slots, k
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list.__getitem__(self, i)
+        staged = self.slots.row(self.k, int(i))
+        return list.__getitem__(self, int(i)) if staged is None else staged
 
 
 def plain_logs() -> None:

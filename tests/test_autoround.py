@@ -200,6 +200,36 @@ def test_best_params_kept_in_place_give_what_auto_rounds_own_copies_give(tiny_pa
         assert torch.equal(iw.q, theirs[name].q) and torch.equal(iw.scales, theirs[name].scales), name
 
 
+def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(tiny_path, monkeypatch):
+    """The batches auto-round draws, copied into slots a step ahead from its own sampler's forecast
+    (on a side stream on CUDA; here the same bookkeeping on the host): the same integers and scales
+    bit for bit, every batch after the first one forecast right (the sampler reshuffles every 2
+    steps here), the loop fed from the slots, and auto-round's functions back afterwards."""
+    from auto_round.algorithms.quantization.sign_round.quantizer import IndexSampler, SignRoundQuantizer
+    from quantizers import autoround
+
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
+    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
+    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    cfg = AutoRoundConfig(iters=7, nsamples=4, seqlen=64, batch_size=2, lr=0.01)
+    plain = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    served, row = [], autoround._Slots.row
+    monkeypatch.setattr(autoround._Slots, "row", lambda self, k, i: served.append(row(self, k, i)) or served[-1])
+    tune, draw = SignRoundQuantizer.quantize_block, IndexSampler.next_batch
+    with autoround.staged_batches("cpu") as counts:
+        staged = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    assert (SignRoundQuantizer.quantize_block, IndexSampler.next_batch) == (tune, draw)
+    assert counts == {"prefetched": cfg.iters - 1, "copied_when_drawn": 1}
+    hits = sum(t is not None for t in served)
+    # every row of both streams the loop read came from a slot; off the slot, at most one read a step
+    # (auto-round's runner reads sample 0 for its device)
+    assert hits >= 2 * cfg.iters * cfg.batch_size and len(served) - hits <= cfg.iters
+    for name, iw in plain.items():
+        assert torch.equal(iw.q, staged[name].q) and torch.equal(iw.scales, staged[name].scales), name
+
+
 def test_a_reference_of_another_shape_is_one_clear_error(tiny_path):
     x = torch.zeros(2, 64, 256)
     with pytest.raises(QuantizerError, match=r"block reference: expected shape \[2, 64, 256\], got \[2, 32, 256\]"):
