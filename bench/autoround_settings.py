@@ -30,9 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # (name, deterministic algorithms, torch.compile, low_gpu_mem_usage: the block inputs and reference
-# outputs on the host, a batch at a time on the GPU). Every setting keeps auto-round's best-so-far
-# parameters in place on the device (`best_params_in_place`); until commit 9de7398 they were
-# auto-round's own host copies, and "ours" took 37.7 s where it now takes what row 0 says.
+# outputs on the host, a batch at a time on the GPU[, option]). Every setting keeps auto-round's
+# best-so-far parameters in place on the device (`best_params_in_place`); until commit 9de7398 they
+# were auto-round's own host copies, and "ours" took 37.7 s where it now takes what row 0 says. On
+# the host, the batches are staged a step ahead (`staged_batches`) unless the option says "gathered".
 SETTINGS = (("deterministic, on the host", True, False, True),
             ("deterministic + compile, on the host", True, True, True),
             ("not deterministic, on the host", False, False, True),
@@ -40,7 +41,9 @@ SETTINGS = (("deterministic, on the host", True, False, True),
             ("deterministic, on the GPU", True, False, False),
             ("deterministic + compile, on the GPU", True, True, False),
             ("not deterministic + compile, on the GPU (auto-round's defaults)", False, True, False),
-            ("deterministic + compile, inputs on the GPU, reference on the host", True, True, True, "inputs"))
+            ("deterministic + compile, inputs on the GPU, reference on the host", True, True, True, "inputs"),
+            ("deterministic + compile, on the host, gathered by auto-round's loop (not staged)", True, True, True,
+             "gathered"))
 
 
 def main(argv=None) -> None:
@@ -49,6 +52,9 @@ def main(argv=None) -> None:
     from pipelines.checkpoint import Checkpoint
     from pipelines.models.moss_tts_delay import MossTTSDelayConfig
     from bench.run import block_fixture
+    from contextlib import nullcontext
+
+    from quantizers import autoround
     from quantizers.autoround import AutoRoundConfig, tune_block
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,17 +76,20 @@ def main(argv=None) -> None:
     ck = Checkpoint(path)
     mcfg = MossTTSDelayConfig.from_dict(ck.config())
     ids = build("moss-calib-v1", ck.config(), args.nsamples, args.seqlen, path).ids
-    x = blocks.embed(mcfg, ck.get, ids, torch.bfloat16, device).to("cpu")
+    engine = blocks.Engine(mcfg, ck.get, device, torch.bfloat16, 8)
+    x = engine.to_host(blocks.embed(mcfg, ck.get, ids, torch.bfloat16, device))  # page-locked on a GPU, as the engine's streams
     pos = blocks.rotary(mcfg, args.seqlen, torch.bfloat16, device)
     layer = blocks.load_block(mcfg, 0, ck.get, torch.bfloat16, device)
-    engine = blocks.Engine(mcfg, ck.get, device, torch.bfloat16, 8)
     ref = engine.forward(layer, x, pos)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     chosen = [SETTINGS[int(i)] for i in args.settings.split(",")] if args.settings else SETTINGS
     env = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": args.model, "nsamples": args.nsamples, "seqlen": args.seqlen, "iters": args.iters}
     rows, baseline = [], None
-    for name, det, comp, low, *placed in chosen:
+    staged = autoround.staged_batches
+    for name, det, comp, low, *option in chosen:
+        placed = option == ["inputs"]
+        autoround.staged_batches = (lambda device: nullcontext()) if option == ["gathered"] else staged
         cfg = AutoRoundConfig(nsamples=args.nsamples, seqlen=args.seqlen, iters=args.profile or args.iters,
                               enable_deterministic_algorithms=det, enable_torch_compile=comp, low_gpu_mem_usage=low)
         first = None

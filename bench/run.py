@@ -138,7 +138,7 @@ def child(job_file: str) -> None:
         from pipelines.source import ModelSpec
 
         spec = ModelSpec(**{**job["spec"], "yaml_path": Path(job["spec"]["yaml_path"])})
-        ctx = build_from(job["profile"], spec, model_path=job["snapshot"], use_cache=False,
+        ctx = build_from(job["profile"], spec, model_path=job["snapshot"], use_cache=job.get("use_cache", False),
                          cache_root=job["cache"], bundle_root=Path(job["bundles"]))
         out = {"stages": ctx.stats, "gate": ctx.results.get("gate", {}).get("status"),
                "bundle_gib": round(sum(p.stat().st_size for p in Path(ctx.bundle).rglob("*") if p.is_file()) / 2**30, 3)}
@@ -164,9 +164,21 @@ def child(job_file: str) -> None:
     Path(job["result"]).write_text(json.dumps(out, indent=2))
 
 
-def spawn(name: str, job: dict, out: Path, work: Path, keep: bool) -> dict:
+def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, stop_after: float | None = None) -> dict:
+    """One run in its own process. With `stop_after`, a profile's run is killed after that many
+    seconds as an interrupted command would be (SIGKILL, no cleanup), its stage cache kept; the same
+    command run again resumes it at its first unfinished block, and its quantize wall is then the
+    sum over the processes (each killed one counted whole, work lost after its last checkpoint
+    included: an over-estimate)."""
     job = {**job, "result": str(work / "jobs" / f"{name}.result.json"),
            "cache": str(work / "cache" / name), "bundles": str(work / "bundles" / name)}
+    resumable = stop_after is not None and job["what"] == "profile"
+    attempts_file = work / "jobs" / f"{name}.interrupted.json"
+    attempts = json.loads(attempts_file.read_text()) if resumable and attempts_file.exists() else []
+    if not attempts:  # a measurement starts from nothing: no stage of an earlier run is reused
+        attempts_file.unlink(missing_ok=True)
+        shutil.rmtree(job["cache"], ignore_errors=True)
+    job["use_cache"] = resumable
     path = work / "jobs" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(job, indent=2))
@@ -174,18 +186,35 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool) -> dict:
     logfile = out / "logs" / f"{name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log(f"{name}: running (log {logfile})")
-    with open(logfile, "w") as f:
-        rc = subprocess.run([sys.executable, __file__, "--child", str(path)], stdout=f, stderr=subprocess.STDOUT,
-                            env=env, cwd=ROOT).returncode
+    log(f"{name}: running (log {logfile}){f', resuming after {len(attempts)} interrupted' if attempts else ''}")
+    started = time.perf_counter()
+    with open(logfile, "a" if attempts else "w") as f:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", str(path)], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=stop_after if resumable else None)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            done = len(list(Path(job["cache"]).glob("quantize/*.partial/block-*.safetensors")))
+            attempts.append({"wall_s": round(time.perf_counter() - started, 3), "blocks_checkpointed": done})
+            attempts_file.write_text(json.dumps(attempts, indent=1))
+            msg = f"stopped after {stop_after:g} s, {done} blocks checkpointed: run the same command again to resume"
+            log(f"{name}: {msg}")
+            return {"failed": msg}
     if not keep:
         shutil.rmtree(job["cache"], ignore_errors=True)
         shutil.rmtree(job["bundles"], ignore_errors=True)
+    attempts_file.unlink(missing_ok=True)
     if rc != 0 or not Path(job["result"]).exists():
         tail = logfile.read_text().strip().splitlines()[-1:] or ["(no output)"]
         log(f"{name}: FAILED (exit {rc}): {tail[0]}")
         return {"failed": f"exit {rc}: {tail[0]}"}
     res = json.loads(Path(job["result"]).read_text())
+    if attempts:  # the stage's wall over every process; peaks are the last process's (the killed ones left none)
+        q = res["stages"]["quantize"]
+        q["wall_s_last_process"], q["interrupted_processes"] = q["wall_s"], attempts
+        q["wall_s"] = round(q["wall_s"] + sum(a["wall_s"] for a in attempts), 3)
     log(f"{name}: done in {res['process_wall_s']} s")
     return res
 
@@ -300,6 +329,13 @@ def markdown(report: dict) -> str:
                    else extrapolated(stage, s["wall_s"], n)) if scale else None
             lines.append(f"| {name} | {stage} | {s['wall_s']} | {fmt(s.get('gpu_peak_allocated_gib'))} "
                          f"| {fmt(s.get('gpu_peak_reserved_gib'))} | {s['peak_rss_gib']} | {fmt(ext)} |")
+    for name, run in report["runs"].items():
+        q = run.get("stages", {}).get("quantize", {})
+        if q.get("interrupted_processes"):
+            parts = " + ".join(f"{a['wall_s']} s (killed, {a['blocks_checkpointed']} blocks checkpointed)"
+                               for a in q["interrupted_processes"])
+            lines += ["", f"{name}: quantize wall summed over {len(q['interrupted_processes']) + 1} processes: {parts} "
+                      f"+ {q['wall_s_last_process']} s (resumed, finished); peaks are the last process's"]
     lines += ["", f"Extrapolated = measured x {FULL_BLOCKS}/{n} for {', '.join(BLOCK_STAGES)} (their fixed costs are "
               "scaled too, so it over-estimates); other stages as measured. Anchor `load` is not scaled.", "",
               "### Ours vs the anchors (quantize stage vs the library's `quantize()`)", "",
@@ -346,6 +382,10 @@ def main(argv=None) -> None:
     p.add_argument("--keep", action="store_true", help="keep each run's stage cache and bundle")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each profile and anchor, in turn; the figures are the median run's (default 1)")
+    p.add_argument("--stop-after", type=float, metavar="SECONDS",
+                   help="kill each profile's run after SECONDS, keeping its block checkpoints: the same command "
+                        "again resumes it, and its quantize wall is summed over the processes (for runs longer than "
+                        "one command may take)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -404,7 +444,7 @@ def main(argv=None) -> None:
     tries = {name: [] for name in jobs}
     for _ in range(args.repeat):  # rounds in turn (ours, the anchors, ours, ...): a drift of the machine hits both
         for name, job in jobs.items():
-            tries[name].append(spawn(name, job, out, work, args.keep))
+            tries[name].append(spawn(name, job, out, work, args.keep, args.stop_after))
     runs = {name: median_run(t) | {k: v for k, v in jobs[name].items() if k == "settings"} for name, t in tries.items()}
 
     comps = comparisons(runs, layers)

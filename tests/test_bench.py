@@ -45,3 +45,24 @@ def test_smoke_records_every_profile_and_the_anchors_in_the_same_run(tmp_path):
             rtn = report["runs"][profile]["fidelity_baseline"]["metrics"]["kl_audio_mean"]
             assert theirs["metrics"]["kl_audio_mean"] < rtn / 2
     assert "### Fidelity on the held-out set" in (out / "bench.md").read_text()
+
+
+def test_a_run_stopped_by_stop_after_resumes_and_sums_its_processes(tmp_path):
+    """--stop-after kills a profile's run as an interrupted command would and keeps its stage cache;
+    the same command again finishes it, and the quantize wall counts both processes."""
+    out, work = tmp_path / "bench", tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--profiles", "autoround-q3", "--out", str(out),
+           "--work", str(work), "--stop-after"]
+    first = subprocess.run(cmd + ["0.5"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    cut = json.loads((out / "bench.json").read_text())["runs"]["autoround-q3"]
+    assert cut["failed"].startswith("stopped after 0.5 s, 0 blocks checkpointed")
+    interrupted = json.loads((work / "jobs" / "autoround-q3.interrupted.json").read_text())
+    assert len(interrupted) == 1 and interrupted[0]["wall_s"] >= 0.5
+    second = subprocess.run(cmd + ["600"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    q = json.loads((out / "bench.json").read_text())["runs"]["autoround-q3"]["stages"]["quantize"]
+    assert q["interrupted_processes"] == interrupted
+    assert q["wall_s"] == round(q["wall_s_last_process"] + interrupted[0]["wall_s"], 3)
+    assert not (work / "jobs" / "autoround-q3.interrupted.json").exists()  # the next run measures from nothing
+    assert "summed over 2 processes" in (out / "bench.md").read_text()
