@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -164,15 +165,14 @@ def child(job_file: str) -> None:
     Path(job["result"]).write_text(json.dumps(out, indent=2))
 
 
-def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, stop_after: float | None = None) -> dict:
-    """One run in its own process. With `stop_after`, a profile's run is killed after that many
-    seconds as an interrupted command would be (SIGKILL, no cleanup), its stage cache kept; the same
-    command run again resumes it at its first unfinished block, and its quantize wall is then the
-    sum over the processes (each killed one counted whole, work lost after its last checkpoint
-    included: an over-estimate)."""
+def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, deadline: float | None = None) -> dict:
+    """One run in its own process. With `deadline` (a time.monotonic()), a profile's run still going
+    then is killed as an interrupted command would be (SIGKILL, no cleanup), its stage cache and
+    block checkpoints kept: the same command run again resumes it where it stopped, and its figures
+    are then summed over the processes (`merged`)."""
     job = {**job, "result": str(work / "jobs" / f"{name}.result.json"),
            "cache": str(work / "cache" / name), "bundles": str(work / "bundles" / name)}
-    resumable = stop_after is not None and job["what"] == "profile"
+    resumable = deadline is not None and job["what"] == "profile"
     attempts_file = work / "jobs" / f"{name}.interrupted.json"
     attempts = json.loads(attempts_file.read_text()) if resumable and attempts_file.exists() else []
     if not attempts:  # a measurement starts from nothing: no stage of an earlier run is reused
@@ -185,21 +185,31 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, stop_after: f
     Path(job["result"]).unlink(missing_ok=True)
     logfile = out / "logs" / f"{name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
+    if resumable and deadline - time.monotonic() <= 0:
+        log(f"{name}: not started (--stop-after reached)")
+        return {"failed": "not started: --stop-after reached; run the same command again"}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log(f"{name}: running (log {logfile}){f', resuming after {len(attempts)} interrupted' if attempts else ''}")
     started = time.perf_counter()
     with open(logfile, "a" if attempts else "w") as f:
+        offset = f.tell()
+        # its own process group (not session): killed with its children here, and with this command by whoever kills it
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(path)], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT, start_new_session=True)
+                                env=env, cwd=ROOT, process_group=0)
         try:
-            rc = proc.wait(timeout=stop_after if resumable else None)
+            rc = proc.wait(timeout=deadline - time.monotonic() if resumable else None)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+            with open(logfile) as lf:
+                lf.seek(offset)
+                finished, running = stage_lines(lf.read())
             done = len(list(Path(job["cache"]).glob("quantize/*.partial/block-*.safetensors")))
-            attempts.append({"wall_s": round(time.perf_counter() - started, 3), "blocks_checkpointed": done})
+            attempts.append({"wall_s": round(time.perf_counter() - started, 3), "finished": finished,
+                             "killed_in": running, "blocks_checkpointed": done})
             attempts_file.write_text(json.dumps(attempts, indent=1))
-            msg = f"stopped after {stop_after:g} s, {done} blocks checkpointed: run the same command again to resume"
+            msg = (f"stopped by --stop-after in stage {running or '(none yet)'}"
+                   f"{f' ({done} blocks checkpointed)' if running == 'quantize' else ''}: run the same command again to resume")
             log(f"{name}: {msg}")
             return {"failed": msg}
     if not keep:
@@ -211,12 +221,57 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, stop_after: f
         log(f"{name}: FAILED (exit {rc}): {tail[0]}")
         return {"failed": f"exit {rc}: {tail[0]}"}
     res = json.loads(Path(job["result"]).read_text())
-    if attempts:  # the stage's wall over every process; peaks are the last process's (the killed ones left none)
-        q = res["stages"]["quantize"]
-        q["wall_s_last_process"], q["interrupted_processes"] = q["wall_s"], attempts
-        q["wall_s"] = round(q["wall_s"] + sum(a["wall_s"] for a in attempts), 3)
+    if attempts:
+        res["stages"] = merged(attempts, res["stages"])
+        res["process_peak_rss_gib"] = max(s["peak_rss_gib"] for s in res["stages"].values() if "peak_rss_gib" in s)
+        res["interrupted_processes"] = attempts
     log(f"{name}: done in {res['process_wall_s']} s")
     return res
+
+
+STAGE_DONE = re.compile(r"^stage (\w+): done in ([\d.]+) s \(peak host RSS ([\d.]+) GiB(?:, GPU allocated ([\d.]+) GiB)?\)$")
+STAGE_RUNNING = re.compile(r"^stage (\w+): running ")
+
+
+def stage_lines(text: str) -> tuple[dict, str | None]:
+    """From a run's log (pipelines/stages.py's lines): the stages it finished, with their wall and
+    peaks, and the stage it was still in."""
+    finished, running = {}, None
+    for line in text.splitlines():
+        if m := STAGE_RUNNING.match(line):
+            running = m[1]
+        elif m := STAGE_DONE.match(line):
+            finished[m[1]] = {"wall_s": float(m[2]), "peak_rss_gib": float(m[3])} | (
+                {"gpu_peak_allocated_gib": float(m[4])} if m[4] else {})
+            running = None
+    return finished, running
+
+
+def merged(attempts: list[dict], last: dict) -> dict:
+    """Each stage's figures over the processes of a run resumed after kills: its wall is the sum of
+    the time each process spent in it (a killed process's time in the stage it was killed in is its
+    wall less the stages it finished: its start-up and the work after its last checkpoint are
+    counted, an over-estimate); its peaks the largest each process reported (a killed process
+    reported none for the stage it was killed in). A stage the last process found cached was
+    finished by an earlier one."""
+    out = {}
+    for stage, st in last.items():
+        walls, peaks = [], [] if st.get("cached") else [st]
+        for a in attempts:
+            if stage in a["finished"]:
+                walls.append(a["finished"][stage]["wall_s"])
+                peaks.append(a["finished"][stage])
+            elif a["killed_in"] == stage:
+                walls.append(round(a["wall_s"] - sum(f["wall_s"] for f in a["finished"].values()), 3))
+        if not st.get("cached"):
+            walls.append(st["wall_s"])
+        row = {"wall_s": round(sum(walls), 3), "wall_s_per_process": walls}
+        for key in ("peak_rss_gib", "gpu_peak_allocated_gib", "gpu_peak_reserved_gib"):
+            vals = [p[key] for p in peaks if key in p]
+            if vals:
+                row[key] = max(vals)
+        out[stage] = row
+    return out
 
 
 # ---------------------------------------------------------------- figures
@@ -330,12 +385,11 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {stage} | {s['wall_s']} | {fmt(s.get('gpu_peak_allocated_gib'))} "
                          f"| {fmt(s.get('gpu_peak_reserved_gib'))} | {s['peak_rss_gib']} | {fmt(ext)} |")
     for name, run in report["runs"].items():
-        q = run.get("stages", {}).get("quantize", {})
-        if q.get("interrupted_processes"):
-            parts = " + ".join(f"{a['wall_s']} s (killed, {a['blocks_checkpointed']} blocks checkpointed)"
-                               for a in q["interrupted_processes"])
-            lines += ["", f"{name}: quantize wall summed over {len(q['interrupted_processes']) + 1} processes: {parts} "
-                      f"+ {q['wall_s_last_process']} s (resumed, finished); peaks are the last process's"]
+        if run.get("interrupted_processes"):
+            kills = ", ".join(f"{a['wall_s']} s in stage {a['killed_in']}" for a in run["interrupted_processes"])
+            lines += ["", f"{name}: resumed after {len(run['interrupted_processes'])} killed process(es) ({kills}); "
+                      "each stage's wall is summed over the processes (`wall_s_per_process` in bench.json), its "
+                      "peaks the largest any process reported"]
     lines += ["", f"Extrapolated = measured x {FULL_BLOCKS}/{n} for {', '.join(BLOCK_STAGES)} (their fixed costs are "
               "scaled too, so it over-estimates); other stages as measured. Anchor `load` is not scaled.", "",
               "### Ours vs the anchors (quantize stage vs the library's `quantize()`)", "",
@@ -383,13 +437,14 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each profile and anchor, in turn; the figures are the median run's (default 1)")
     p.add_argument("--stop-after", type=float, metavar="SECONDS",
-                   help="kill each profile's run after SECONDS, keeping its block checkpoints: the same command "
-                        "again resumes it, and its quantize wall is summed over the processes (for runs longer than "
-                        "one command may take)")
+                   help="SECONDS after this command started, kill the profile's run still going, keeping its stage "
+                        "cache and block checkpoints: the same command again resumes it, and its figures are summed "
+                        "over the processes (runs longer than one command may take)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args.child)
+    deadline = None if args.stop_after is None else time.monotonic() + args.stop_after
 
     import torch
 
@@ -444,7 +499,7 @@ def main(argv=None) -> None:
     tries = {name: [] for name in jobs}
     for _ in range(args.repeat):  # rounds in turn (ours, the anchors, ours, ...): a drift of the machine hits both
         for name, job in jobs.items():
-            tries[name].append(spawn(name, job, out, work, args.keep, args.stop_after))
+            tries[name].append(spawn(name, job, out, work, args.keep, deadline))
     runs = {name: median_run(t) | {k: v for k, v in jobs[name].items() if k == "settings"} for name, t in tries.items()}
 
     comps = comparisons(runs, layers)

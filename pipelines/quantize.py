@@ -24,6 +24,7 @@ from quantizers.rtn import RTNConfig, quantize_rtn
 from quantizers.sensitivity import SensitivityConfig
 
 from .checkpoint import Checkpoint, Lazy, canonical_json, write_safetensors
+from .engine import release_host_cache
 from .errors import PipelineError
 from .methods import autoround, awq, fp8, rtn, sensitivity
 from .methods.weights import Weights
@@ -85,6 +86,7 @@ def run(ctx, params: QuantizeParams, out: Path) -> dict:
         raise PipelineError(f"{ctx.profile.path}: method {params.method!r} needs a calibrate stage before quantize")
     device = resolve_device(params.device)
     weights: Weights = METHODS[type(params.config)](ctx, params.config, device)
+    release_host_cache()  # the engine's streams, freed: out of memory before the output is written
     if params.tables:
         quantize_tables(ctx, weights, params.tables)
     tensors, layout = assemble(ctx, weights)

@@ -157,7 +157,7 @@ def run_stages(ctx: RunContext, stages: dict[str, StageSpec], use_cache: bool = 
         ctx.results[name] = json.loads((final / "result.json").read_text())
         env_file = final / ENVIRONMENT
         ctx.environments[name] = json.loads(env_file.read_text()) if env_file.exists() else fingerprint(ctx.device)
-        ctx.stats[name] = _stats_end(started)
+        ctx.stats[name] = _stats_end(started) | ({"cached": True} if cached else {})
         if not cached:
             st = ctx.stats[name]  # the peaks too, so a run cut off later still told them
             gpu = f", GPU allocated {st['gpu_peak_allocated_gib']:.2f} GiB" if "gpu_peak_allocated_gib" in st else ""
