@@ -182,8 +182,8 @@ def best_params_in_place():
 @contextmanager
 def staged_batches(device: str):
     """Under low_gpu_mem_usage auto-round's loop gathers each batch of the block's inputs and reference
-    from the host inside the step (a host `torch.cat`, then a synchronous copy): 6-8 s of a 20 s
-    block at 8B widths, the GPU idle meanwhile. For the length of the tuning, each batch is copied
+    from the host inside the step (a host `torch.cat`, then a synchronous copy), the GPU idle
+    meanwhile: 12.9 s of a 23.7 s block at 8B widths (bench/autoround_settings.py). For the length of the tuning, each batch is copied
     one step ahead, on a side stream, into one of two device slots, and the loop's two lists hand
     out views of the slot: the same values, so the same result. The next batch is forecast from
     auto-round's own sampler (as its diffusion tuning cache does); a batch the forecast missed is
@@ -247,6 +247,8 @@ class _Slots:
         if slot["tensors"] is None or slot["tensors"][0].shape[0] != len(batch):
             slot["tensors"] = [torch.empty((len(batch), *s[0].shape[1:]), dtype=s[0].dtype, device=self.device)
                                for s in self.streams]
+            for t in slot["tensors"] if self.copier is not None else ():
+                t.record_stream(self.copier)  # freed, not reused before the copies into it are done
         if self.copier is None:
             self._copy(slot, batch)
         else:  # after everything the step has queued so far: the slot's last batch is read by then
