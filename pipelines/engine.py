@@ -154,7 +154,8 @@ class Engine:
     def host_empty(self, shape, dtype) -> torch.Tensor:
         """A stream's host tensor: page-locked when the blocks run on a GPU, so that its batches move
         by DMA, asynchronously (auto-round's slots are filled a step ahead from it), instead of
-        through a synchronous bounce buffer."""
+        through a synchronous bounce buffer. (CUDA's host allocator rounds a size up to a power of
+        two: none lost at the profiles' 2^k samples, up to the rest of that power otherwise.)"""
         return torch.empty(shape, dtype=dtype, pin_memory=torch.device(self.device).type == "cuda")
 
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
