@@ -186,7 +186,16 @@ def judge(original: Path, rebuilt: Path) -> Verdict:
             failed.append(f"{key}: {x:.6g} -> {y:.6g} (tolerance {allowed:.4g}: {tol.max_metric_rel_delta:g} of it "
                           f"+ {tol.gate_margin:g} of the gate's bound {check['threshold']})")
     if a.get("status") != b.get("status"):
-        failed.append(f"gate status: {a.get('status')} -> {b.get('status')}")
+        # A verdict moved by free-running checks alone forked with the generations (see FREE_RUNNING):
+        # said, not judged; one moved by a judged figure (even within its tolerance, at the edge) differs.
+        passed = lambda m: {c["metric"]: c["passed"] for c in (m.get("gate") or {}).get("checks", [])}  # noqa: E731
+        pa, pb = passed(a), passed(b)
+        flipped = sorted(k for k in set(pa) | set(pb) if pa.get(k) != pb.get(k))
+        line = f"gate status: {a.get('status')} -> {b.get('status')} (checks that moved: {', '.join(flipped) or 'none'})"
+        if flipped and all(k.startswith("free.") for k in flipped):
+            lines.append(line + ": free-running only, reported and not judged")
+        else:
+            failed.append(line)
     verdict = DIFFERS if failed else EQUIVALENT
     lines.append(f"{verdict}: " + ("; ".join(failed) if failed else
                  f"every tensor within {100 * tol.max_code_mismatch:g}% differing codes and every gated figure within "

@@ -110,6 +110,40 @@ def test_other_environment_is_measured_against_the_recipe_tolerances(rtn4_build,
         shutil.rmtree(kept.parent)
 
 
+@pytest.mark.parametrize("moved,expected", [(("free.runaway_excess",), "equivalent"),
+                                            (("free.runaway_excess", "kl_audio_mean"), "differs")])
+def test_a_gate_status_moved_by_free_running_checks_alone_is_said_not_judged(rtn4_build, tmp_path, moved, expected):
+    """Free-running figures fork with the generations under another kernel: a gate verdict they alone
+    moved is reported; one a judged (teacher-forced) check moved too, even within its tolerance, differs."""
+    from pipelines.rebuild import judge
+
+    a = _copy_bundle(rtn4_build, tmp_path / "original")
+    recipe = yaml.safe_load((a / "recipe.yaml").read_text())
+    recipe["rebuild"]["max_code_mismatch"] = 0.001
+    (a / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    _rehash(a, "recipe.yaml")
+    b = tmp_path / "rebuilt"
+    shutil.copytree(a, b)
+    _flip_one_code(b)
+
+    def checks(status, failing):
+        def edit(m):
+            m["status"] = status
+            for c in m["gate"]["checks"]:
+                c["passed"] = c["metric"] not in failing
+            if status == "rejected":
+                m["environment"]["cpu"].update(torch_capability="ELSEWHERE")
+        return edit
+
+    _edit_manifest(a, checks("accepted", ()))
+    _edit_manifest(b, checks("rejected", moved))
+    verdict = judge(a, b)
+    assert verdict.verdict == expected
+    line = f"gate status: accepted -> rejected (checks that moved: {', '.join(moved)})"
+    assert sum(line in x for x in verdict.lines) == 1
+    assert any(x.startswith(f"{line}: free-running only") for x in verdict.lines) == (expected == "equivalent")
+
+
 def test_rebuild_of_a_bundle_pulled_from_the_registry(rtn4_build, tmp_path):
     from pipelines.registry.client import open_registry, pull, push
 
