@@ -89,6 +89,8 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
 
     plain_logs()
     dtype = next(layer.parameters()).dtype
+    if not str(device).startswith("cuda"):
+        bf16_on_every_cpu()
     return AutoRound(
         # enable_quanted_input off: the inputs given already are the quantized stream, and the
         # caller computes the tuned block's outputs (auto-round would hold a copy of them)
@@ -102,6 +104,16 @@ def compressor(layer: nn.Module, nsamples: int, seqlen: int, cfg: AutoRoundConfi
         layer_config={f"model.layers.0.{name}": {"bits": b, "group_size": g}
                       for name, (b, g) in (grids or {}).items() if (b, g) != (cfg.bits, cfg.group_size)} or None,
     )
+
+
+def bf16_on_every_cpu() -> None:
+    """auto-round asks the CPU whether it has bf16 instructions (py-cpuinfo in a subprocess, about
+    1 s a process) and, on one without (AVX2-only CPUs), casts the block to fp32 and tunes that: another
+    computation, so another bundle, on another machine. torch computes bf16 on every x86 CPU (natively
+    or by conversion), so the answer is yes everywhere: a bf16 block tunes in bf16 on any CPU, as on a GPU."""
+    from auto_round.utils.device_manager import get_ar_device
+
+    get_ar_device("cpu")._bf16_supported = True  # the cache its `supports_bf16` fills from the probe
 
 
 def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, position_embeddings,

@@ -230,6 +230,37 @@ def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(t
         assert torch.equal(iw.q, staged[name].q) and torch.equal(iw.scales, staged[name].scales), name
 
 
+@pytest.mark.parametrize("cpu_has_bf16", [True, False])
+def test_a_bf16_block_tunes_in_bf16_on_every_cpu_without_asking_it(tiny_path, monkeypatch, cpu_has_bf16):
+    """auto-round's CPU probe (a py-cpuinfo subprocess) would cast the block to fp32 on a CPU without
+    bf16 instructions: another tuning on another machine. It is not asked, and the integers are those
+    a bf16 tuning gives."""
+    from auto_round.utils import device as ar_device
+    from auto_round.utils.device_manager import get_ar_device
+
+    asked = []
+
+    class Probe:
+        def __init__(self):
+            asked.append(1)
+            self.bf16 = cpu_has_bf16
+
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
+    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
+    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    cfg = AutoRoundConfig(iters=4, nsamples=4, seqlen=64, batch_size=2, lr=0.01)
+    bf16 = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    monkeypatch.setattr(ar_device, "CpuInfo", Probe)
+    monkeypatch.delattr(get_ar_device("cpu"), "_bf16_supported", raising=False)  # as in a fresh process
+    layer = blocks.load_block(mcfg, 0, ckpt.get)
+    here = tune_block(layer, x, reference, pos, cfg, seed=0, device="cpu")
+    assert asked == [] and layer.mlp.up_proj.weight.dtype == torch.bfloat16
+    for name, iw in bf16.items():
+        assert torch.equal(iw.q, here[name].q) and torch.equal(iw.scales, here[name].scales), name
+
+
 def test_a_reference_of_another_shape_is_one_clear_error(tiny_path):
     x = torch.zeros(2, 64, 256)
     with pytest.raises(QuantizerError, match=r"block reference: expected shape \[2, 64, 256\], got \[2, 32, 256\]"):
