@@ -154,7 +154,11 @@ def child(job_file: str) -> None:
 
         device = resolve_device("auto")
         stats, layers = RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], device)
-        out = {"stages": stats}
+        out = {"stages": stats, "process_wall_s": round(time.perf_counter() - started, 3),
+               "process_peak_rss_gib": max(s["peak_rss_gib"] for s in stats.values()),
+               "fidelity_failed": "not scored: stopped by --stop-after while scoring"}
+        Path(job["result"]).write_text(json.dumps(out, indent=2))  # the timed figures, kept if scoring is cut short
+        del out["fidelity_failed"]
         if job.get("evaluate"):  # outside the stages: their time and memory are the anchor's own
             try:  # a scoring failure is reported beside the anchor's figures, which stay
                 out["fidelity"] = held_out(Path(job["generator"]), layers, job["evaluate"], device)
@@ -169,7 +173,8 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, deadline: flo
     """One run in its own process. With `deadline` (a time.monotonic()), a profile's run still going
     then is killed as an interrupted command would be (SIGKILL, no cleanup), its stage cache and
     block checkpoints kept: the same command run again resumes it where it stopped, and its figures
-    are then summed over the processes (`merged`)."""
+    are then summed over the processes (`merged`). An anchor (the library's own loop, not resumable)
+    is killed too: its timed figures are kept if it was scoring, else it starts from nothing next time."""
     job = {**job, "result": str(work / "jobs" / f"{name}.result.json"),
            "cache": str(work / "cache" / name), "bundles": str(work / "bundles" / name)}
     resumable = deadline is not None and job["what"] == "profile"
@@ -185,7 +190,7 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, deadline: flo
     Path(job["result"]).unlink(missing_ok=True)
     logfile = out / "logs" / f"{name}.log"
     logfile.parent.mkdir(parents=True, exist_ok=True)
-    if resumable and deadline - time.monotonic() <= 0:
+    if deadline is not None and deadline - time.monotonic() <= 0:
         log(f"{name}: not started (--stop-after reached)")
         return {"failed": "not started: --stop-after reached; run the same command again"}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -197,10 +202,16 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, deadline: flo
         proc = subprocess.Popen([sys.executable, __file__, "--child", str(path)], stdout=f, stderr=subprocess.STDOUT,
                                 env=env, cwd=ROOT, process_group=0)
         try:
-            rc = proc.wait(timeout=deadline - time.monotonic() if resumable else None)
+            rc = proc.wait(timeout=None if deadline is None else deadline - time.monotonic())
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+            if not resumable:
+                if Path(job["result"]).exists():
+                    log(f"{name}: stopped by --stop-after while scoring its output; its timed figures are kept")
+                    return json.loads(Path(job["result"]).read_text())
+                log(f"{name}: stopped by --stop-after; an anchor is not resumable: it starts from nothing next time")
+                return {"failed": "stopped by --stop-after (an anchor is not resumable)"}
             with open(logfile) as lf:
                 lf.seek(offset)
                 finished, running = stage_lines(lf.read())
@@ -432,6 +443,9 @@ def main(argv=None) -> None:
     p.add_argument("--anchors", action=argparse.BooleanOptionalAction, default=None,
                    help="run autoawq and auto-round directly (default: on, off with --smoke)")
     p.add_argument("--only-anchors", help="comma-separated subset of the anchors (default all of the profiles')")
+    p.add_argument("--ours", action=argparse.BooleanOptionalAction, default=True,
+                   help="run our profiles (off: only their anchors, with the profiles' settings; for an anchor that "
+                        "needs a command of its own)")
     p.add_argument("--smoke", action="store_true", help="tiny fixtures on CPU with small settings (CI)")
     p.add_argument("--keep", action="store_true", help="keep each run's stage cache and bundle")
     p.add_argument("--repeat", type=int, default=1,
@@ -496,6 +510,9 @@ def main(argv=None) -> None:
                             "evaluate": ev and {k: getattr(ev, k) for k in ("dataset", "nsamples", "seqlen", "batch_size")}}
     else:
         skipped["anchors"] = "not requested (--anchors)"
+    if not args.ours:
+        jobs = {k: v for k, v in jobs.items() if v["what"] != "profile"}
+        skipped["ours"] = "not requested (--no-ours)"
     tries = {name: [] for name in jobs}
     for _ in range(args.repeat):  # rounds in turn (ours, the anchors, ours, ...): a drift of the machine hits both
         for name, job in jobs.items():
