@@ -73,7 +73,7 @@ def main(argv=None) -> None:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t = time.perf_counter()
-            awq_block(q, block, f, kwargs, list(BLOCK_LINEARS), plan[i], cfg)
+            awq_block(block, f, kwargs, list(BLOCK_LINEARS), plan[i], cfg, q=q)
             sync()
             wall = time.perf_counter() - t
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
             with torch.no_grad():
                 for n in BLOCK_LINEARS:
                     m = block.get_submodule(n)
-                    m.weight.copy_(int_weight(q, m.weight).dequantize(m.weight.dtype))
+                    m.weight.copy_(int_weight(cfg, m.weight).dequantize(m.weight.dtype))
             mse = (engine.forward(block, x, pos).float() - ref.float()).pow(2).mean().item()
             row = {"block": i, "search": search, "wall_s": round(wall, 2), "peak_gpu_allocated_gib": peak and round(peak, 2),
                    "block_output_mse": mse}

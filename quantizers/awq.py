@@ -124,16 +124,23 @@ class _Snapshotting(nn.Module):
         return self.inner.load_state_dict(state, *args, **kwargs)
 
 
-def pseudo_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """autoawq's zero-point grid (pseudo_quantize_tensor), for groups along the last dimension: the
-    same arithmetic without its NaN asserts, each a host sync, called 30 times per Linear here."""
-    shape = w.shape
+def zero_point_grid(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """autoawq's zero-point grid (pseudo_quantize_tensor) for groups along the last dimension, as
+    (scales, zeros) of shape [rows of `group_size`, 1]: the same arithmetic without its NaN asserts
+    (each a host sync, and this runs 30 times per Linear in the search) and without importing autoawq
+    (0.9 s a process) where only its grid is needed."""
     w = w.reshape(-1, group_size)
     hi, lo = w.amax(dim=1, keepdim=True), w.amin(dim=1, keepdim=True)
     max_int = 2 ** bits - 1
     scales = (hi - lo).clamp(min=1e-5) / max_int
-    zeros = (-torch.round(lo / scales)).clamp_(0, max_int)
-    return ((torch.clamp(torch.round(w / scales) + zeros, 0, max_int) - zeros) * scales).reshape(shape)
+    return scales, (-torch.round(lo / scales)).clamp_(0, max_int)
+
+
+def pseudo_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """`w` rounded to its zero-point grid and back."""
+    scales, zeros = zero_point_grid(w, bits, group_size)
+    max_int = 2 ** bits - 1
+    return ((torch.clamp(torch.round(w.reshape(-1, group_size) / scales) + zeros, 0, max_int) - zeros) * scales).reshape(w.shape)
 
 
 def _out(y):
@@ -259,20 +266,22 @@ def module_input(module: nn.Module, target: nn.Module, x: torch.Tensor, rows: in
 
 
 @torch.no_grad()
-def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict, linears: list[str], groups: list[Group],
-              cfg: AWQConfig, derived: dict[str, tuple[str, str]] | None = None):
+def awq_block(layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict, linears: list[str], groups: list[Group],
+              cfg: AWQConfig, derived: dict[str, tuple[str, str]] | None = None, q=None):
     """Search and apply AWQ scales over `groups`, then clipping over `linears`, on one block in place.
 
     `feats` holds the Linears' inputs on the fp stream (what autoawq's `_get_input_feat` collects;
     the engine captures them in its one pass over the block); a Linear named in `derived`
     (linear -> (module, source Linear)) may be missing there: its input is recomputed by running
     the module on the source's input, on the device, for its group's search (our search only).
+    `q`: autoawq's quantizer for `search: autoawq` (default: `autoawq_quantizer(cfg)`).
     Returns ([(prev, linears, scales)], [(linear, max_val)]).
     """
     named = {name: layer.get_submodule(name) for name in linears}
     if cfg.search == "autoawq":
         from awq.quantize.scale import apply_clip, apply_scale
 
+        q = q or autoawq_quantizer(cfg)
         seen = set()  # autoawq's apply_scale divides every name's input: give shared inputs their own copy
         feats = {n: f if id(f) not in seen and not seen.add(id(f)) else f.clone() for n, f in feats.items()}
         q.module_kwargs = kwargs
@@ -324,13 +333,13 @@ def awq_block(q, layer: nn.Module, feats: dict[str, torch.Tensor], kwargs: dict,
 
 
 @torch.no_grad()
-def int_weight(q, w: torch.Tensor, name: str = "weight") -> IntWeight:
+def int_weight(cfg: AWQConfig, w: torch.Tensor, name: str = "weight") -> IntWeight:
     """autoawq's zero-point grid for one weight, with scales rounded to the stored float16."""
-    if w.shape[1] % q.group_size:
-        raise QuantizerError(f"{name}: group_size={q.group_size} does not divide the input width {w.shape[1]}")
+    if w.shape[1] % cfg.group_size:
+        raise QuantizerError(f"{name}: group_size={cfg.group_size} does not divide the input width {w.shape[1]}")
     w = w.float()
-    _, scales, zeros = q.pseudo_quantize_tensor(w)
+    scales, zeros = (t.view(w.shape[0], -1) for t in zero_point_grid(w, cfg.bits, cfg.group_size))
     scales = scales.to(torch.float16).float()
     zeros = zeros.to(torch.int32)
-    qw = quantize_to_grid(w, scales, zeros, q.w_bit, q.group_size)
-    return IntWeight(qw, scales, zeros, q.w_bit, q.group_size, sym=False)
+    qw = quantize_to_grid(w, scales, zeros, cfg.bits, cfg.group_size)
+    return IntWeight(qw, scales, zeros, cfg.bits, cfg.group_size, sym=False)

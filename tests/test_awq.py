@@ -27,9 +27,9 @@ def awq4(tmp_path_factory):
 
     def spy(self, step):
         out = orig(self, step)  # the block is scaled and clipped in place, still FP
-        q, pre, layer = self.q, f"{BLOCK_PREFIX}.{step.index}.", step.layer
+        cfg, pre, layer = self.cfg, f"{BLOCK_PREFIX}.{step.index}.", step.layer
         for rel in BLOCK_LINEARS:
-            fake[pre + rel + ".weight"] = int_weight(q, layer.get_submodule(rel).weight).dequantize()
+            fake[pre + rel + ".weight"] = int_weight(cfg, layer.get_submodule(rel).weight).dequantize()
         for rel in ("input_layernorm", "post_attention_layernorm"):
             fake[pre + rel + ".weight"] = layer.get_submodule(rel).weight.float().clone()
         return out
@@ -128,7 +128,7 @@ def test_folded_scales_keep_the_block_function(tiny_path):
     """Scaling alone (no clip, no rounding) must be an exact re-parametrisation of the block."""
     from pipelines.calibration import build
     from pipelines.methods.awq import plan_groups
-    from quantizers.awq import AWQConfig, autoawq_quantizer, awq_block
+    from quantizers.awq import AWQConfig, awq_block
 
     ck = Checkpoint(tiny_path)
     mcfg = MossTTSDelayConfig.from_dict(ck.config())
@@ -144,7 +144,7 @@ def test_folded_scales_keep_the_block_function(tiny_path):
     feats = {name: [] for name in BLOCK_LINEARS}
     before = engine.forward(layer, x, pos, {name: store.append for name, store in feats.items()})
     feats = {name: torch.cat(v) for name, v in feats.items()}
-    scales, clips = awq_block(autoawq_quantizer(cfg), layer, feats, {"position_embeddings": pos, "attention_mask": None},
+    scales, clips = awq_block(layer, feats, {"position_embeddings": pos, "attention_mask": None},
                               list(BLOCK_LINEARS), plan[0], cfg)
     assert clips == [] and len(scales) == 3
     assert max(s.max() / s.min() for _, _, s in scales) > 2  # the search chose non-trivial scales
@@ -179,7 +179,7 @@ def test_our_search_is_no_worse_than_autoawqs_on_the_same_inputs(tiny_path, inde
     Ours must give a quantized block whose output MSE (against the FP block) is within 1% of autoawq's."""
     import copy
 
-    from quantizers.awq import AWQConfig, autoawq_quantizer, awq_block, int_weight
+    from quantizers.awq import AWQConfig, awq_block, int_weight
 
     engine, layer, x, feats, pos, groups = _block_case(tiny_path, index)
     ref_out = engine.forward(layer, x, pos)
@@ -187,8 +187,8 @@ def test_our_search_is_no_worse_than_autoawqs_on_the_same_inputs(tiny_path, inde
     mse, chosen = {}, {}
     for search in ("autoawq", "ours"):
         cfg = AWQConfig(search=search)
-        q, block = autoawq_quantizer(cfg), copy.deepcopy(layer)
-        scales, clips = awq_block(q, block, {n: f.clone() for n, f in feats.items()}, kwargs, list(BLOCK_LINEARS),
+        block = copy.deepcopy(layer)
+        scales, clips = awq_block(block, {n: f.clone() for n, f in feats.items()}, kwargs, list(BLOCK_LINEARS),
                                   groups, cfg)
         assert sorted(n for n, _ in clips) == ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.o_proj",
                                                "self_attn.v_proj"]
@@ -196,7 +196,7 @@ def test_our_search_is_no_worse_than_autoawqs_on_the_same_inputs(tiny_path, inde
         with torch.no_grad():
             for n in BLOCK_LINEARS:  # the stored grid
                 m = block.get_submodule(n)
-                m.weight.copy_(int_weight(q, m.weight).dequantize(m.weight.dtype))
+                m.weight.copy_(int_weight(cfg, m.weight).dequantize(m.weight.dtype))
         mse[search] = (engine.forward(block, x, pos) - ref_out).pow(2).mean().item()
     assert mse["ours"] <= 1.01 * mse["autoawq"], mse
     # the same objective on the same grid: the scales it picks agree with autoawq's
@@ -216,6 +216,40 @@ def test_our_clip_search_matches_autoawqs_rule(tiny_path):
         ours = search_clip(cfg, w, feats[name], rows=48)  # several row chunks
         assert ours.shape == theirs.shape
         assert (ours == theirs).float().mean() > 0.99  # float ties aside: the same shrink
+
+
+
+def test_the_stored_grid_is_autoawqs_bit_for_bit_without_importing_it(tiny_path, tmp_path):
+    """int_weight's scales, zeros and integers against autoawq's own pseudo_quantize_tensor, on a
+    real block's weights and on groups real models have: an outlier, a constant group, all-negative;
+    and an awq4 build (search: ours) never imports autoawq (0.9 s of every build on a CPU)."""
+    import os
+    import subprocess
+    import sys
+
+    from quantizers.awq import AWQConfig, autoawq_quantizer, int_weight
+
+    cfg = AWQConfig()
+    layer = blocks.load_block(MossTTSDelayConfig.from_dict(Checkpoint(tiny_path).config()), 0,
+                              Checkpoint(tiny_path).get, torch.float32)
+    hard = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    hard[0, 5] = 40.0  # an outlier
+    hard[1, :128] = 0.25  # a constant group: the 1e-5 floor of the range
+    hard[2] = -hard[2].abs() - 1  # no zero inside the group's range
+    for name, w in [*((n, layer.get_submodule(n).weight.detach()) for n in BLOCK_LINEARS), ("hard", hard)]:
+        ours = int_weight(cfg, w)
+        _, scales, zeros = autoawq_quantizer(cfg).pseudo_quantize_tensor(w.float())
+        assert torch.equal(ours.scales, scales.to(torch.float16).float()), name
+        assert torch.equal(ours.zeros, zeros.to(torch.int32)), name
+        assert 0 <= int(ours.q.min()) and int(ours.q.max()) <= 15
+    code = ("import sys; from pipelines.api import build; "
+            f"build('awq4', 'tiny', cache_root={str(tmp_path / 'cache')!r}, "
+            f"bundle_root={str(tmp_path / 'bundles')!r}); "
+            "print(sorted(m for m in sys.modules if m == 'awq' or m.startswith('awq.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 def _profile(tmp: Path, calibrate: dict, quantize: dict) -> Path:
@@ -296,7 +330,7 @@ def test_a_recomputed_down_proj_input_gives_the_very_same_search_as_a_captured_o
     import copy
 
     from pipelines.models.moss_tts_delay import DERIVED_INPUTS
-    from quantizers.awq import AWQConfig, autoawq_quantizer, awq_block
+    from quantizers.awq import AWQConfig, awq_block
 
     engine, layer, x, feats, pos, groups = _block_case(tiny_path, 3, nsamples=16)
     cfg = AWQConfig(batch_size=engine.batch_size)
@@ -305,7 +339,7 @@ def test_a_recomputed_down_proj_input_gives_the_very_same_search_as_a_captured_o
     for case, given, derived in (("captured", feats, None),
                                  ("recomputed", {n: f for n, f in feats.items() if n != "mlp.down_proj"}, dict(DERIVED_INPUTS))):
         block = copy.deepcopy(layer)
-        scales, clips = awq_block(autoawq_quantizer(cfg), block, {n: f.clone() for n, f in given.items()}, kwargs,
+        scales, clips = awq_block(block, {n: f.clone() for n, f in given.items()}, kwargs,
                                   list(BLOCK_LINEARS), groups, cfg, derived)
         got[case] = ([s for _, _, s in scales], [m for _, m in clips], [p.detach().clone() for p in block.parameters()])
     assert any(n == ("mlp.down_proj",) for _, n, _ in scales)  # down_proj's group was searched

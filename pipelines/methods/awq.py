@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from quantizers.awq import N_GRID, AWQConfig, Group, autoawq_quantizer, awq_block, int_weight
+from quantizers.awq import N_GRID, AWQConfig, Group, awq_block, int_weight
 from quantizers.errors import QuantizerError
 from quantizers.formats import awq_gemm, pack
 
@@ -102,8 +102,8 @@ class AWQHook:
     streams = (FP,)
     reads_fp_in = False  # the block's Linear inputs are captured: its input can go (0.5 GiB)
 
-    def __init__(self, q, cfg: AWQConfig, plan: list[list[Group]], log):
-        self.q, self.cfg, self.plan, self.log = q, cfg, plan, log
+    def __init__(self, cfg: AWQConfig, plan: list[list[Group]], log):
+        self.cfg, self.plan, self.log = cfg, plan, log
         # kept on the device, 1.5 GiB at 128 x 512 tokens: our search recomputes down_proj's input
         # (another 1.5 GiB) for its own group; autoawq's functions are handed every input
         self.derived = dict(DERIVED_INPUTS) if cfg.search == "ours" else {}
@@ -114,11 +114,11 @@ class AWQHook:
         i, layer = step.index, step.layer
         kwargs = {"position_embeddings": step.position_embeddings, "attention_mask": None}
         feats = {rel: step.captured[SHARED_INPUT.get(rel, rel)] for rel in BLOCK_LINEARS if rel not in self.derived}
-        scales, clips = awq_block(self.q, layer, feats, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg, self.derived)
+        scales, clips = awq_block(layer, feats, kwargs, list(BLOCK_LINEARS), self.plan[i], self.cfg, self.derived)
         pre = f"{BLOCK_PREFIX}.{i}."
         for rel in BLOCK_LINEARS:
             try:
-                self.packed[pre + rel] = pack(int_weight(self.q, layer.get_submodule(rel).weight, pre + rel + ".weight"), "awq")
+                self.packed[pre + rel] = pack(int_weight(self.cfg, layer.get_submodule(rel).weight, pre + rel + ".weight"), "awq")
             except QuantizerError as e:
                 raise PipelineError(str(e)) from None
         for g in self.plan[i]:
@@ -153,7 +153,7 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
     plan, skipped = plan_groups(ckpt, mcfg, cfg)  # everything refusable is refused before any compute
     ids = calibration_batch(ctx, cfg)
-    hook = AWQHook(autoawq_quantizer(cfg), cfg, plan, ctx.log)
+    hook = AWQHook(cfg, plan, ctx.log)
     Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq", log=ctx.log).run(
         hook, ids, resume=ctx.partial)
     details = {
