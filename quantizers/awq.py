@@ -126,7 +126,7 @@ class _Snapshotting(nn.Module):
 
 def zero_point_grid(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """autoawq's zero-point grid (pseudo_quantize_tensor) for groups along the last dimension, as
-    (scales, zeros) of shape [rows of `group_size`, 1]: the same arithmetic without its NaN asserts
+    (scales, zeros), one row per group: the same arithmetic without its NaN asserts
     (each a host sync, and this runs 30 times per Linear in the search) and without importing autoawq
     (0.9 s a process) where only its grid is needed."""
     w = w.reshape(-1, group_size)
