@@ -154,11 +154,11 @@ def child(job_file: str) -> None:
 
         device = resolve_device("auto")
         stats, layers = RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], device)
-        out = {"stages": stats, "process_wall_s": round(time.perf_counter() - started, 3),
-               "process_peak_rss_gib": max(s["peak_rss_gib"] for s in stats.values()),
-               "fidelity_failed": "not scored: stopped by --stop-after while scoring"}
-        Path(job["result"]).write_text(json.dumps(out, indent=2))  # the timed figures, kept if scoring is cut short
-        del out["fidelity_failed"]
+        out = {"stages": stats}
+        timed = {**out, "process_wall_s": round(time.perf_counter() - started, 3),
+                 "process_peak_rss_gib": max(s["peak_rss_gib"] for s in stats.values()),
+                 "fidelity_failed": "not scored: stopped by --stop-after while scoring"}
+        Path(job["result"]).write_text(json.dumps(timed, indent=2))  # kept if the scoring below is cut short
         if job.get("evaluate"):  # outside the stages: their time and memory are the anchor's own
             try:  # a scoring failure is reported beside the anchor's figures, which stay
                 out["fidelity"] = held_out(Path(job["generator"]), layers, job["evaluate"], device)
