@@ -35,6 +35,7 @@ of a second a block on a GPU, against writing 2 GiB a block).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -44,7 +45,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from .models.moss_tts_delay import BLOCK_PREFIX, MossTTSDelayConfig
-from .progress import progress
+from .progress import host_rss_gib, progress
 from .resume import BlockCheckpoint
 
 Getter = Callable[[str], torch.Tensor]
@@ -137,7 +138,7 @@ class ResumableHook(BlockHook, Protocol):
 
     def restore_block(self, index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None: ...
 
-    # optional: map_block(index, tensors): swap block `index`'s tensors for these views of its saved file
+    # optional: spill_block(index, tensors): swap block `index`'s tensors for these readers of its saved file
 
 
 @dataclass
@@ -150,6 +151,7 @@ class Engine:
     desc: str = "blocks"
     last: dict = field(default_factory=dict)  # the final hidden states of each stream after run()
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
+    block_lines: bool = False  # one log line a block (a long run: the bar is silent off a terminal)
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
         """A stream's host tensor: page-locked when the blocks run on a GPU, so that its batches move
@@ -237,6 +239,7 @@ class Engine:
         reads_fp_in = getattr(hook, "reads_fp_in", True)
         run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
         for i in progress(range(start, n), desc=self.desc, unit="block", total=n, initial=start):
+            started = time.perf_counter()
             layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
             stores = {name: Capture(fp.shape[0]) for name in hook.capture}
             in_place = not reads_fp_in and fp is not quant  # block 0's quant stream is the fp stream's input
@@ -254,11 +257,24 @@ class Engine:
                 quant = out
             if ckpt is not None:
                 self._written(hook, ckpt, ckpt.save(i, hook, quant))
+            if self.block_lines:
+                self._block_line(i, n, started)
         if ckpt is not None:
             self._written(hook, ckpt, ckpt.wait())
         self.last = {FP: fp, QUANT: quant}
 
+    def _block_line(self, i: int, n: int, started: float) -> None:
+        """Block i's wall time and the memory then: where a 36-block run's time and memory went."""
+        cuda = torch.device(self.device).type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        rss, peak = host_rss_gib(), host_rss_gib("VmHWM")
+        host = "" if rss is None else f", host RSS {rss:.2f} GiB (peak {peak:.2f})"
+        gpu = (f", GPU allocated peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
+               if cuda else "")
+        self.log(f"{self.desc} block {i} of {n}: {time.perf_counter() - started:.1f} s{host}{gpu}")
+
     @staticmethod
     def _written(hook, ckpt: BlockCheckpoint, i: int | None) -> None:
-        if i is not None and hasattr(hook, "map_block"):  # the hook's block-i results, now on disk, leave memory
-            hook.map_block(i, ckpt.mapped(i))
+        if i is not None and hasattr(hook, "spill_block"):  # the hook's block-i results, now on disk, leave memory
+            hook.spill_block(i, ckpt.lazy(i))

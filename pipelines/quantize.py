@@ -130,7 +130,7 @@ def assemble(ctx, w: Weights) -> tuple[dict[str, Lazy], dict[str, dict]]:
         if module in w.packed:
             pw = w.packed[module]
             for part, t in pw.parts.items():
-                tensors[f"{module}.{part}"] = Lazy.of(t)
+                tensors[f"{module}.{part}"] = t if isinstance(t, Lazy) else Lazy.of(t)
             entry = {"format": pw.format, "bits": pw.bits, "stored": sorted(f"{module}.{p}" for p in pw.parts)}
             entry.update(pw.spec.layout_record(pw))
             layout[name] = entry

@@ -29,6 +29,7 @@ from .checkpoint import canonical_json
 from .environment import fingerprint, library_versions
 from .errors import PipelineError
 from .import_graph import closure, code_digest, module_graph
+from .progress import host_rss_gib
 from .source import ARTIFACTS, ROOT, ModelSpec, pins_digest
 
 ENVIRONMENT = "environment.json"
@@ -168,12 +169,9 @@ def run_stages(ctx: RunContext, stages: dict[str, StageSpec], use_cache: bool = 
 def _peak_rss_gib() -> float:
     """Peak resident set since the last reset: Linux's VmHWM, else getrusage (never reset, and
     on Linux it also carries a forked parent's RSS across exec: only a fallback)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
+    peak = host_rss_gib("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -18,7 +18,7 @@ from ..checkpoint import Checkpoint
 from ..engine import FP, Engine, Step
 from ..errors import PipelineError
 from ..models.moss_tts_delay import BLOCK_LINEARS, BLOCK_PREFIX, DERIVED_INPUTS, INPUT_GROUPS, MossTTSDelayConfig
-from .weights import Weights, map_packed, packed_from_state, packed_state
+from .weights import Weights, packed_from_state, packed_state, spill_packed
 
 FOLDED_REASON = "norm gain carrying the folded AWQ input scales, kept BF16"
 NOT_CONVERTED = ["lm_heads"]  # the only nn.Linear outside the decoder blocks (embeddings are not Linears)
@@ -137,14 +137,14 @@ class AWQHook:
         folded = {name: t for name, t in self.folded.items() if name.startswith(pre)}
         return {**tensors, **folded}, {"packed": records, "folded": list(folded), "record": self.blocks[i]}
 
-    def map_block(self, i: int, tensors) -> None:
-        map_packed(self.packed, tensors)
+    def spill_block(self, i: int, tensors) -> None:
+        spill_packed(self.packed, tensors)
 
     def restore_block(self, i: int, tensors, meta) -> None:
         if len(self.blocks) != i:
             raise ValueError(f"awq: block {i} restored after {len(self.blocks)} blocks")
         self.packed.update(packed_from_state(tensors, meta["packed"]))
-        self.folded.update({name: tensors[name] for name in meta["folded"]})
+        self.folded.update({name: tensors[name].read() for name in meta["folded"]})  # norm weights: small
         self.blocks.append(meta["record"])
 
 
@@ -154,7 +154,8 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     plan, skipped = plan_groups(ckpt, mcfg, cfg)  # everything refusable is refused before any compute
     ids = calibration_batch(ctx, cfg)
     hook = AWQHook(cfg, plan, ctx.log)
-    Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq", log=ctx.log).run(
+    Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq", log=ctx.log,
+           block_lines=True).run(
         hook, ids, resume=ctx.partial)
     details = {
         "search": (SEARCH_OURS if cfg.search == "ours" else

@@ -181,7 +181,8 @@ def _measure(ctx, params: MeasureParams, device: str) -> tuple[dict, dict]:
     config = ckpt.config()
     mcfg = MossTTSDelayConfig.from_dict(config)
     ids = calibration_ids(ctx, params.tuning(tuple(params.stream_grid)))
-    engine = Engine(mcfg, ckpt.get, device, torch.bfloat16, params.batch_size, desc="measure", log=ctx.log)
+    engine = Engine(mcfg, ckpt.get, device, torch.bfloat16, params.batch_size, desc="measure", log=ctx.log,
+                    block_lines=True)
     fisher = engine.output_fisher(ids, sampled_loglik_grad(mcfg, config, ckpt.get, ids, device, torch.bfloat16))
     hook = MeasureHook(params, fisher, ctx.seed, device)
     engine.run(hook, ids, resume=ctx.partial)
@@ -277,7 +278,8 @@ def quantize(ctx, cfg: SensitivityConfig, device: str) -> Weights:
     ctx.log(f"sensitivity: auto-round at per-Linear grids {_count(alloc.grids)} "
             f"({cfg.iters} iters on {ids.shape[0]} x {ids.shape[1]} MOSS block inputs, device {device})")
     hook = AutoRoundHook(cfg.tuning(), ctx.seed, device, grids=alloc.grids)
-    Engine(mcfg, ckpt.get, device, desc="sensitivity", batch_size=cfg.batch_size, log=ctx.log).run(
+    Engine(mcfg, ckpt.get, device, desc="sensitivity", batch_size=cfg.batch_size, log=ctx.log,
+           block_lines=True).run(
         hook, ids, resume=ctx.partial)
     missing = sorted(set(names) - set(hook.packed))
     if missing:

@@ -7,10 +7,12 @@ import torch
 
 from quantizers.formats import PackedWeight
 
+from ..checkpoint import Lazy
+
 
 @dataclass
 class Weights:
-    packed: dict[str, PackedWeight]  # Linear module name -> its stored form
+    packed: dict[str, PackedWeight]  # Linear module name -> its stored form (parts: tensors, or Lazy once checkpointed)
     quantization_config: dict
     replaced: dict[str, torch.Tensor] = field(default_factory=dict)  # source tensor -> the value to store (BF16)
     reasons: dict[str, str] = field(default_factory=dict)  # source tensor -> why it stays BF16 (over the definition's)
@@ -40,9 +42,9 @@ def packed_from_state(tensors: dict[str, torch.Tensor], records: list[dict]) -> 
                                       r["bits"], r["group_size"], r["sym"]) for r in records}
 
 
-def map_packed(packed: dict[str, PackedWeight], tensors: dict[str, torch.Tensor]) -> None:
-    """Swap the parts of the Linears a block checkpoint holds for its (file-mapped) copies: the same
-    bytes (tests/test_resume.py), no longer resident."""
+def spill_packed(packed: dict[str, PackedWeight], tensors: dict[str, Lazy]) -> None:
+    """Swap the parts of the Linears a block checkpoint holds for readers of its file (the same
+    bytes, tests/test_resume.py): from here on a part is a `Lazy` that only the stage's write reads."""
     for module in {name.rsplit(".", 1)[0] for name in tensors} & packed.keys():
         pw = packed[module]
         packed[module] = PackedWeight(pw.format, {p: tensors[f"{module}.{p}"] for p in pw.parts}, pw.bits, pw.group_size, pw.sym)
