@@ -86,15 +86,17 @@ class Checkpoint:
         info = self._header(self.weight_map[name])[0][name]
         return Lazy(DTYPES[info["dtype"]], tuple(info["shape"]), lambda: self.get(name, check_finite=False))
 
-    def get(self, name: str, check_finite: bool = True) -> torch.Tensor:
+    def get(self, name: str, check_finite: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, read into fresh memory or into `out` (contiguous, of its dtype and shape: a
+        page-locked buffer, say)."""
         if name not in self.weight_map:
             raise PipelineError(f"{self.root}: tensor {name} not found")
-        t = self._read(self.weight_map[name], name)
+        t = self._read(self.weight_map[name], name, out)
         if check_finite and t.is_floating_point() and not all_finite(t):
             raise PipelineError(f"{self.root / self.weight_map[name]}: tensor {name} contains NaN or Inf")
         return t
 
-    def _read(self, fname: str, name: str) -> torch.Tensor:
+    def _read(self, fname: str, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor's bytes read into fresh memory. Not safetensors' get_tensor: its tensors are
         views of a private mmap that the cached handle reuses (an in-place edit by a caller would
         change the next read), and the mapped pages count as resident on top of any copy."""
@@ -105,7 +107,10 @@ class Checkpoint:
         start, end = info["data_offsets"]
         if info["dtype"] not in DTYPES:
             raise PipelineError(f"{path}: tensor {name} has dtype {info['dtype']} (expected one of {', '.join(DTYPES)})")
-        buf = torch.empty(end - start, dtype=torch.uint8)
+        dtype, shape = DTYPES[info["dtype"]], info["shape"]
+        if out is not None and (out.dtype != dtype or list(out.shape) != shape or not out.is_contiguous()):
+            raise ValueError(f"{path}: tensor {name} is {dtype} {shape}, read into {out.dtype} {list(out.shape)}")
+        buf = torch.empty(end - start, dtype=torch.uint8) if out is None else out.reshape(-1).view(torch.uint8)
         view, done = memoryview(buf.numpy()), 0
         with open(path, "rb") as f:
             f.seek(base + start)
@@ -114,7 +119,7 @@ class Checkpoint:
                 if not got:
                     raise PipelineError(f"{path}: truncated inside tensor {name}")
                 done += got
-        return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+        return buf.view(dtype).reshape(shape)
 
     def shape(self, name: str) -> list[int]:
         return list(self._header(self.weight_map[name])[0][name]["shape"])

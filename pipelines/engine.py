@@ -232,7 +232,7 @@ class Engine:
             if not (hasattr(hook, "block_state") and hasattr(hook, "restore_block")):
                 raise TypeError(f"{type(hook).__name__} cannot be resumed: it lacks block_state/restore_block")
             ckpt = BlockCheckpoint(resume, self.log)
-            start, quant = ckpt.restore(hook, n, fp, quant)
+            start, quant = ckpt.restore(hook, n, fp, quant, empty=self.host_empty)
             for i in progress(range(start), desc=f"{self.desc} (fp stream, resuming)", unit="block"):
                 fp = self.forward(load_block(self.cfg, i, self.get, self.dtype, self.device), fp, pos,
                                   out=None if fp is quant else fp)

@@ -45,29 +45,18 @@ class Unusable(Exception):
     """A partial that cannot be resumed from (the message names the file and what was expected)."""
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _open(path: Path) -> tuple[Checkpoint, dict[str, str]]:
+    """A checkpoint file, its header checked against its length, and its header's metadata; its
+    tensors are read only when asked for (into fresh memory, never views of a map: the pages a
+    map's reader touches stay resident while the view lives)."""
     if not path.is_file():
         raise Unusable(f"{path.name}: missing")
     try:
         with safe_open(str(path), "pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
-    except (OSError, SafetensorError) as e:
-        raise Unusable(f"{path.name}: unreadable safetensors ({e})") from None
-
-
-def _lazy(path: Path) -> tuple[dict[str, Lazy], dict[str, str]]:
-    """A block file's tensors, each read into fresh memory only when the stage writes it, and its
-    header's metadata. Not views of a map: the pages a map's reader touches stay resident while the
-    view lives, and the hook keeps every block's (36 blocks of packed weights: 2.6 GB at 3 bits)."""
-    if not path.is_file():
-        raise Unusable(f"{path.name}: missing")
-    try:
-        with safe_open(str(path), "pt") as f:  # checks the header and the file's length
             meta = dict(f.metadata() or {})
-        ckpt = Checkpoint(path.parent, single=path.name)
+        return Checkpoint(path.parent, single=path.name), meta
     except (OSError, SafetensorError, PipelineError) as e:
         raise Unusable(f"{path.name}: unreadable safetensors ({e})") from None
-    return {k: ckpt.lazy(k) for k in ckpt.keys()}, meta
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -122,16 +111,19 @@ class BlockCheckpoint:
     def lazy(self, i: int) -> dict[str, Lazy]:
         """Block i's saved tensors, each read from its file when asked for (the quantize stage's
         streamed write): 36 blocks of packed weights need not stay resident."""
-        return _lazy(self.folder / block_file(i))[0]
+        ckpt, _ = _open(self.folder / block_file(i))
+        return {k: ckpt.lazy(k) for k in ckpt.keys()}
 
-    def restore(self, hook, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
+    def restore(self, hook, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None, empty=torch.empty):
         """-> (first block to run, quant stream): (0, quant) when there is nothing usable to resume
-        from; otherwise the hook holds blocks 0..i again and the quant stream leaves block i (`fp`,
-        the embeddings, gives the shape; the caller recomputes the fp stream)."""
+        from; otherwise the hook holds blocks 0..i again and the quant stream leaves block i, read
+        into `empty(shape, dtype)` (the engine's page-locked host memory: a map of the file would
+        be pageable, and every batch staged from it a synchronous copy). `fp`, the embeddings,
+        gives the shape; the caller recomputes the fp stream."""
         if not (self.folder / STREAMS).is_file():
             return 0, quant  # no block finished (or none since its streams were written): start over
         try:
-            last, quant, records = self._load(n_blocks, fp, quant)
+            last, quant, records = self._load(n_blocks, fp, quant, empty)
         except Unusable as e:
             self.log(f"{self.folder}/{e}; partial discarded, {self.stage} restarts at block 0")
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -142,8 +134,8 @@ class BlockCheckpoint:
         self.log(f"resuming {self.stage} at block {last + 1}/{n_blocks} ({done} from {self.folder})")
         return last + 1, quant
 
-    def _load(self, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None):
-        streams, meta = _read(self.folder / STREAMS)
+    def _load(self, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None, empty):
+        streams, meta = _open(self.folder / STREAMS)
         try:
             last = int(meta["block"])
         except (KeyError, ValueError):
@@ -151,18 +143,24 @@ class BlockCheckpoint:
         if not 0 <= last < n_blocks:
             raise Unusable(f"{STREAMS}: block {last}, expected one of 0..{n_blocks - 1}")
         want = [] if quant is None else ["quant"]
-        if sorted(streams) != want:
-            raise Unusable(f"{STREAMS}: tensors {sorted(streams)}, expected {want}")
-        restored = streams.get("quant")
-        if restored is not None and restored.shape != fp.shape:  # its dtype is the hook's output's
-            raise Unusable(f"{STREAMS}: quant stream {list(restored.shape)}, expected {list(fp.shape)}")
+        if streams.keys() != want:
+            raise Unusable(f"{STREAMS}: tensors {streams.keys()}, expected {want}")
+        if quant is not None and streams.shape("quant") != list(fp.shape):  # its dtype is the hook's output's
+            raise Unusable(f"{STREAMS}: quant stream {streams.shape('quant')}, expected {list(fp.shape)}")
         records = []
         for i in range(last + 1):
-            tensors, header = _lazy(self.folder / block_file(i))
+            ckpt, header = _open(self.folder / block_file(i))
             try:
                 if int(header["block"]) != i:
                     raise ValueError
-                records.append((tensors, json.loads(header["state"])))
+                records.append(({k: ckpt.lazy(k) for k in ckpt.keys()}, json.loads(header["state"])))
             except (KeyError, ValueError):
                 raise Unusable(f"{block_file(i)}: header lacks block {i}'s index and JSON state") from None
+        restored = None
+        if quant is not None:  # read last: 2 GiB, once everything else is known to be usable
+            stream = streams.lazy("quant")
+            try:
+                restored = streams.get("quant", check_finite=False, out=empty(stream.shape, stream.dtype))
+            except PipelineError as e:
+                raise Unusable(f"{STREAMS}: unreadable ({e})") from None
         return last, restored, records

@@ -158,6 +158,54 @@ def test_a_checkpointed_blocks_packed_weights_leave_memory_for_their_file(tmp_pa
             assert torch.equal(lazy.read(), before[n][p])
 
 
+def test_a_resumed_quant_stream_is_read_into_the_engines_buffer_not_a_map(tmp_path):
+    """The restored quant stream lands in memory the engine allocates (page-locked on a GPU: every
+    batch auto-round stages from it is then DMA), with the saved bytes; a map of the file would be
+    pageable, each staged batch a synchronous copy."""
+    import torch
+
+    from pipelines.checkpoint import Lazy
+    from pipelines.methods.weights import packed_state
+    from pipelines.resume import BlockCheckpoint
+    from quantizers.formats import PackedWeight
+
+    gen = torch.Generator().manual_seed(1)
+    packed = {"layers.0.q": PackedWeight("gptq", {"qweight": torch.randint(0, 99, (8, 64), dtype=torch.int32,
+                                                                          generator=gen)}, 4, 64, True)}
+    stream = torch.randn(4, 16, 32, generator=gen).to(torch.bfloat16)
+
+    class Hook:
+        restored = {}
+
+        def block_state(self, i):
+            tensors, records = packed_state(packed, list(packed))
+            return tensors, {"packed": records}
+
+        def restore_block(self, i, tensors, meta):
+            self.restored[i] = (tensors, meta)
+
+    folder = tmp_path / "quantize" / "key.partial"
+    folder.mkdir(parents=True)
+    first = BlockCheckpoint(folder, print)
+    first.save(0, Hook(), stream)
+    first.wait()
+
+    given = []
+
+    def empty(shape, dtype):
+        given.append(torch.full(tuple(shape), 7, dtype=dtype))
+        return given[-1]
+
+    embeddings = torch.zeros_like(stream)
+    hook = Hook()
+    start, quant = BlockCheckpoint(folder, print).restore(hook, 3, embeddings, embeddings, empty=empty)
+    assert start == 1 and len(given) == 1 and quant.data_ptr() == given[0].data_ptr()
+    assert torch.equal(quant, stream) and quant.dtype == stream.dtype
+    tensors, meta = hook.restored[0]
+    assert all(isinstance(t, Lazy) for t in tensors.values())
+    assert torch.equal(tensors["layers.0.q.qweight"].read(), packed["layers.0.q"].parts["qweight"])
+
+
 def test_a_failed_checkpoint_write_is_raised_in_the_engine_not_lost_in_its_thread(tmp_path, monkeypatch):
     """The block files are written by a thread while the next block computes: a write that fails
     there (a full disk) stops the run at the next save or at the end, with the error, never silently."""
