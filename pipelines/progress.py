@@ -14,9 +14,10 @@ def host_rss_gib(field: str = "VmRSS") -> float | None:
     """This process's resident set now (VmRSS) or its peak since the last reset (VmHWM), in GiB;
     None where /proc/self/status does not tell it."""
     try:
-        for line in open("/proc/self/status"):
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 2**20
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 2**20
     except OSError:
         pass
     return None
