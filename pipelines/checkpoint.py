@@ -97,7 +97,7 @@ class Checkpoint:
         return t
 
     def _read(self, fname: str, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor's bytes read into fresh memory. Not safetensors' get_tensor: its tensors are
+        """The tensor's bytes read into fresh memory (or `out`). Not safetensors' get_tensor: its tensors are
         views of a private mmap that the cached handle reuses (an in-place edit by a caller would
         change the next read), and the mapped pages count as resident on top of any copy."""
         (header, base), path = self._header(fname), self.root / fname
