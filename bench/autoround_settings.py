@@ -118,7 +118,7 @@ def main(argv=None) -> None:
             out = engine.forward(block, x, pos)
             sq = sum((out[s:s + 8].to(device).float() - ref[s:s + 8].to(device).float()).pow(2).sum().item()
                      for s in range(0, out.shape[0], 8))
-            codes = {n: iw.q for n, iw in ints.items()}
+            codes = {n: iw.q.cpu() for n, iw in ints.items()}  # kept across settings: not in the next peak
             same = None if first is None else all(torch.equal(codes[n], first[n]) for n in codes)
             first, baseline = first or codes, baseline or codes
             rows.append(row | {"wall_s": round(wall, 2), "peak_gpu_allocated_gib": peak and round(peak, 2),

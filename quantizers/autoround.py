@@ -124,8 +124,8 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     quantized stream (for block 0 the fp stream), and is fitted to `reference`, the source block's
     output on the fp stream, which the caller already has (auto-round's `reference_output`: it
     neither recomputes it nor holds the fp inputs). `layer` is left holding its quantized-
-    dequantized weights; returns its Linears' integers, by name within the block (`grids`:
-    per-Linear (bits, group_size) other than the config's)."""
+    dequantized weights; returns its Linears' integers on `device`, by name within the block
+    (`grids`: per-Linear (bits, group_size) other than the config's)."""
     n, s = inputs.shape[:2]
     if s != cfg.seqlen:
         raise QuantizerError(f"block inputs: expected sequences of seqlen={cfg.seqlen}, got {s}")
@@ -150,10 +150,12 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = was[2]
+    # auto-round hands the block back on the host; the caller runs it next, on the device, and the
+    # integers are computed there too (on the host, 8B widths: seconds a block, with their packing)
+    layer.to(device)
     tuned = {name: int_weight(mod) for name, mod in layer.named_modules() if isinstance(mod, nn.Linear) and hasattr(mod, "scale")}
     if not tuned:
         raise QuantizerError("auto-round quantized no Linear of the block")
-    layer.to(device)  # auto-round hands the block back on the host; the caller runs it next, on the device
     return dict(sorted(tuned.items()))
 
 
@@ -323,18 +325,19 @@ def plain_logs() -> None:
 
 
 def int_weight(layer: nn.Module) -> IntWeight:
-    """The tuned layer's integers, computed as auto-round's own packer does (round(W / s + zp), clamped)."""
+    """The tuned layer's integers, computed as auto-round's own packer does (round(W / s + zp), clamped),
+    on the weight's device (integer-valued results: the same on any device)."""
     if not hasattr(layer, "scale") or layer.weight.dim() != 2:
         raise QuantizerError(f"{getattr(layer, 'global_name', layer)}: not a layer auto-round quantized")
     out_f, in_f = layer.weight.shape
     bits, gs = int(layer.bits), int(layer.group_size)
-    scales = layer.scale.detach().reshape(out_f, in_f // gs).to(torch.float32)
-    zp = layer.zp
-    zeros = (zp.detach().reshape(out_f, in_f // gs).to(torch.int32) if isinstance(zp, torch.Tensor)
-             else torch.full((out_f, in_f // gs), int(zp), dtype=torch.int32))
     w = layer.weight.detach().reshape(out_f, in_f // gs, gs)
+    scales = layer.scale.detach().to(w.device).reshape(out_f, in_f // gs).to(torch.float32)
+    zp = layer.zp
+    zeros = (zp.detach().to(w.device).reshape(out_f, in_f // gs).to(torch.int32) if isinstance(zp, torch.Tensor)
+             else torch.full((out_f, in_f // gs), int(zp), dtype=torch.int32, device=w.device))
     q = torch.round(w / scales.to(layer.scale.dtype)[..., None] + zeros[..., None]).clamp(0, 2**bits - 1)
-    return IntWeight(q.to(torch.int32).reshape(out_f, in_f), scales.cpu(), zeros.cpu(), bits, gs, bool(layer.sym))
+    return IntWeight(q.to(torch.int32).reshape(out_f, in_f), scales, zeros, bits, gs, bool(layer.sym))
 
 
 def tuning_record(cfg: AutoRoundConfig) -> dict:

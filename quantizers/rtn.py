@@ -6,7 +6,7 @@ Symmetric grids fix z = 2^(bits-1) (the GPTQ/auto-round convention).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +38,9 @@ class IntWeight:
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scales, self.zeros, self.group_size).to(dtype)
+
+    def to(self, device) -> "IntWeight":
+        return replace(self, q=self.q.to(device), scales=self.scales.to(device), zeros=self.zeros.to(device))
 
 
 GROUP_SIZES = (32, 64, 128, 256)

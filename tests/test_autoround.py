@@ -168,6 +168,22 @@ def test_the_tuned_block_holds_exactly_the_weights_its_integers_give(small_run):
         assert torch.equal(w, iw.dequantize(w.dtype)), name
 
 
+def test_the_integers_are_computed_where_the_tuned_weight_is():
+    """On a GPU the tuned block's integers, and then their packing, are computed on the device (on
+    the host they took seconds a block at 8B widths). Without a GPU here, the meta device stands in:
+    a weight there with auto-round's scale on the host gives integers, scales and zeros there."""
+    import torch
+    from torch import nn
+
+    from quantizers.autoround import int_weight
+
+    layer = nn.Linear(256, 8, bias=False, device="meta", dtype=torch.bfloat16)
+    layer.scale, layer.zp, layer.bits, layer.group_size, layer.sym = torch.rand(8, 2).to(torch.bfloat16), 4, 3, 128, True
+    iw = int_weight(layer)
+    assert {iw.q.device.type, iw.scales.device.type, iw.zeros.device.type} == {"meta"}
+    assert iw.q.shape == (8, 256) and iw.q.dtype == torch.int32
+
+
 def test_best_params_kept_in_place_give_what_auto_rounds_own_copies_give(tiny_path, monkeypatch):
     """auto-round's best-so-far parameters, overwritten in place on the device instead of copied anew
     at every improvement: the same integers and scales, bit for bit, and auto-round's own function is

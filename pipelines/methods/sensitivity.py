@@ -147,7 +147,7 @@ class MeasureHook:
         tuned, stream = {}, None
         for grid in parse_grids(p.grids):
             layer = copy.deepcopy(step.layer)
-            tuned[grid] = self._tune(layer, step, grid)
+            tuned[grid] = {m: iw.to("cpu") for m, iw in self._tune(layer, step, grid).items()}  # 6 grids: on the host
             if grid == tuple(p.stream_grid):
                 stream = layer  # the engine runs it on the quant stream
         for m in BLOCK_LINEARS:  # each Linear's tuned weights alone in the source block
