@@ -326,7 +326,7 @@ def plain_logs() -> None:
 
 def int_weight(layer: nn.Module) -> IntWeight:
     """The tuned layer's integers, computed as auto-round's own packer does (round(W / s + zp), clamped),
-    on the weight's device (integer-valued results: the same on any device)."""
+    on the weight's device (the same correctly rounded division and rounding on either device)."""
     if not hasattr(layer, "scale") or layer.weight.dim() != 2:
         raise QuantizerError(f"{getattr(layer, 'global_name', layer)}: not a layer auto-round quantized")
     out_f, in_f = layer.weight.shape
