@@ -155,18 +155,20 @@ def child(job_file: str) -> None:
         device = resolve_device("auto")
         stats, layers = RUNNERS[job["what"]](Path(job["snapshot"]), job["settings"], device)
         out = {"stages": stats}
-        timed = {**out, "process_wall_s": round(time.perf_counter() - started, 3),
-                 "process_peak_rss_gib": max(s["peak_rss_gib"] for s in stats.values()),
-                 "fidelity_failed": "not scored: stopped by --stop-after while scoring"}
+        timed = {**out, **_process_figures(stats, started), "fidelity_failed": "not scored: stopped by --stop-after while scoring"}
         Path(job["result"]).write_text(json.dumps(timed, indent=2))  # kept if the scoring below is cut short
         if job.get("evaluate"):  # outside the stages: their time and memory are the anchor's own
             try:  # a scoring failure is reported beside the anchor's figures, which stay
                 out["fidelity"] = held_out(Path(job["generator"]), layers, job["evaluate"], device)
             except Exception as e:
                 out["fidelity_failed"] = f"{type(e).__name__}: {e}"
-    out["process_wall_s"] = round(time.perf_counter() - started, 3)
-    out["process_peak_rss_gib"] = max(s["peak_rss_gib"] for s in out["stages"].values())  # stage peaks reset VmHWM
+    out.update(_process_figures(out["stages"], started))
     Path(job["result"]).write_text(json.dumps(out, indent=2))
+
+
+def _process_figures(stats: dict, started: float) -> dict:
+    return {"process_wall_s": round(time.perf_counter() - started, 3),
+            "process_peak_rss_gib": max(s["peak_rss_gib"] for s in stats.values())}  # stage peaks reset VmHWM
 
 
 def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, deadline: float | None = None) -> dict:

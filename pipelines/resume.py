@@ -59,6 +59,10 @@ def _open(path: Path) -> tuple[Checkpoint, dict[str, str]]:
         raise Unusable(f"{path.name}: unreadable safetensors ({e})") from None
 
 
+def _lazies(ckpt: Checkpoint) -> dict[str, Lazy]:
+    return {k: ckpt.lazy(k) for k in ckpt.keys()}
+
+
 def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     with atomic_file(path, replace=True) as tmp:
         write_safetensors(tmp, tensors, metadata)
@@ -111,8 +115,7 @@ class BlockCheckpoint:
     def lazy(self, i: int) -> dict[str, Lazy]:
         """Block i's saved tensors, each read from its file when asked for (the quantize stage's
         streamed write): 36 blocks of packed weights need not stay resident."""
-        ckpt, _ = _open(self.folder / block_file(i))
-        return {k: ckpt.lazy(k) for k in ckpt.keys()}
+        return _lazies(_open(self.folder / block_file(i))[0])
 
     def restore(self, hook, n_blocks: int, fp: torch.Tensor, quant: torch.Tensor | None, empty=torch.empty):
         """-> (first block to run, quant stream): (0, quant) when there is nothing usable to resume
@@ -153,7 +156,7 @@ class BlockCheckpoint:
             try:
                 if int(header["block"]) != i:
                     raise ValueError
-                records.append(({k: ckpt.lazy(k) for k in ckpt.keys()}, json.loads(header["state"])))
+                records.append((_lazies(ckpt), json.loads(header["state"])))
             except (KeyError, ValueError):
                 raise Unusable(f"{block_file(i)}: header lacks block {i}'s index and JSON state") from None
         restored = None
