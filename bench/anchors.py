@@ -9,6 +9,8 @@ token ids of that count and length (the content does not change the cost).
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -114,9 +116,31 @@ def run_autoround(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
                    seqlen=s["seqlen"], seed=s["seed"], device_map=device, **ours)
     stats["load"] = _stats_end(started)
     started = _stats_start()
-    ar.quantize()
+    with block_starts() as starts:
+        ar.quantize()
     stats["quantize"] = _stats_end(started)
+    ends = starts[1:] + [time.perf_counter()]  # the last block's: up to the end of quantize()
+    stats["quantize"]["block_s"] = [round(b - a, 3) for a, b in zip(starts, ends)]
     return stats, decoder_layers(ar.model)
+
+
+@contextmanager
+def block_starts():
+    """When auto-round's own loop starts each block (it materializes the block first, in
+    `_quantize_blocks`): its per-block walls, beside ours from the engine's block lines."""
+    from auto_round.compressors import orchestrator
+
+    starts, original = [], orchestrator.materialize_model_
+
+    def timed(*args, **kwargs):
+        starts.append(time.perf_counter())
+        return original(*args, **kwargs)
+
+    orchestrator.materialize_model_ = timed
+    try:
+        yield starts
+    finally:
+        orchestrator.materialize_model_ = original
 
 
 def decoder_layers(model) -> dict[str, torch.Tensor]:

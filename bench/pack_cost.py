@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/pack_cost.py [--device cuda] [--threads 16]
 
+On a device other than the CPU it also computes them on the host and says whether every integer,
+scale, zero and packed byte is the same.
+
 autoround-q3 computed them on the host, where auto-round leaves the tuned block; they are now
 computed on the device the block runs on next (quantizers/autoround.py tune_block). Synthetic weights and scales (the arithmetic does not depend on the values): the seven
 Linears of a MOSS-TTS (Qwen3-8B) block at 3 bits, groups of 128, GPTQ packing.
@@ -53,6 +56,16 @@ def main(argv=None) -> None:
         t2 = time.perf_counter()
         print(f"run {run + 1}: device {args.device}, {torch.get_num_threads()} threads: integers {t1 - t0:.2f} s, "
               f"packing {t2 - t1:.2f} s, a block {t2 - t0:.2f} s", flush=True)
+    if args.device != "cpu":
+        differ = []
+        for name, layer, iw in zip(SHAPES, layers, ints):
+            host = int_weight(layer.to("cpu"))
+            parts, host_parts = pack(iw, "gptq").parts, pack(host, "gptq").parts  # stored on the host
+            if not all(torch.equal(getattr(iw, k).cpu(), getattr(host, k)) for k in ("q", "scales", "zeros")) or \
+                    parts.keys() != host_parts.keys() or not all(torch.equal(parts[k], host_parts[k]) for k in parts):
+                differ.append(name)
+        print(f"integers, scales, zeros and packed parts on {args.device} against the host's: "
+              + (f"differ in {', '.join(differ)}" if differ else "identical in all seven Linears"), flush=True)
 
 
 if __name__ == "__main__":

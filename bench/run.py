@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -234,6 +235,8 @@ def spawn(name: str, job: dict, out: Path, work: Path, keep: bool, deadline: flo
         log(f"{name}: FAILED (exit {rc}): {tail[0]}")
         return {"failed": f"exit {rc}: {tail[0]}"}
     res = json.loads(Path(job["result"]).read_text())
+    if job["what"] == "profile":
+        res["block_s"] = block_walls(logfile.read_text())
     if attempts:
         res["stages"] = merged(attempts, res["stages"])
         res["process_peak_rss_gib"] = max(s["peak_rss_gib"] for s in res["stages"].values() if "peak_rss_gib" in s)
@@ -258,6 +261,21 @@ def stage_lines(text: str) -> tuple[dict, str | None]:
                 {"gpu_peak_allocated_gib": float(m[4])} if m[4] else {})
             running = None
     return finished, running
+
+
+BLOCK_LINE = re.compile(r"^.+ block (\d+) of \d+: ([\d.]+) s")
+
+
+def block_walls(text: str) -> dict[str, list[float]]:
+    """Per stage, each block's wall from the engine's block lines, in block order (a block that a
+    killed process started and the next one redid: the finished run's)."""
+    out, stage = {}, None
+    for line in text.splitlines():
+        if m := STAGE_RUNNING.match(line):
+            stage = m[1]
+        elif (m := BLOCK_LINE.match(line)) and stage:
+            out.setdefault(stage, {})[int(m[1])] = float(m[2])
+    return {k: [v[i] for i in sorted(v)] for k, v in out.items()}
 
 
 def merged(attempts: list[dict], last: dict) -> dict:
@@ -300,6 +318,12 @@ def median_run(tries: list[dict]) -> dict:
     return {**tries[med], "quantize_wall_s_runs": walls}
 
 
+def median(walls: list[float] | None) -> float | None:
+    """A block's typical wall: the median over the blocks, past the compile of the first (and of a
+    resumed process's first) whenever there are three or more."""
+    return round(statistics.median(walls), 2) if walls else None
+
+
 def totals(stages: dict) -> dict:
     """Sum of stage walls; the largest of each peak."""
     keys = ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib", "peak_rss_gib")
@@ -329,11 +353,15 @@ def _comparison(profile: str, ours: dict, anchor: str | None, runs: dict, layers
     theirs = runs.get(anchor, {}).get("stages", {}).get("quantize") if anchor else None
     row = {"profile": profile, "anchor": anchor, "ours_quantize_s": ours["wall_s"],
            "ours_per_block_s": round(ours["wall_s"] / layers, 2),
+           "ours_block_median_s": median(runs[profile].get("block_s", {}).get("quantize")),
            "ours_36_blocks_s_extrapolated": round(ours["wall_s"] / layers * FULL_BLOCKS, 1)}
     if theirs:
         row.update({"anchor_quantize_s": theirs["wall_s"], "anchor_per_block_s": round(theirs["wall_s"] / layers, 2),
+                    "anchor_block_median_s": median(theirs.get("block_s")),
                     "anchor_36_blocks_s_extrapolated": round(theirs["wall_s"] / layers * FULL_BLOCKS, 1),
                     "ratio": round(ours["wall_s"] / theirs["wall_s"], 3)})
+        if row["ours_block_median_s"] and row["anchor_block_median_s"]:
+            row["block_ratio"] = round(row["ours_block_median_s"] / row["anchor_block_median_s"], 3)
         load = runs[anchor]["stages"].get("load")
         if load:  # our quantize stage reads its weights and sets the library up itself; the anchor does that in `load`
             both = theirs["wall_s"] + load["wall_s"]
@@ -360,6 +388,11 @@ def targets(runs: dict, comps: list[dict], gpu: bool) -> list[dict]:
             r, lim = c.get("ratio"), limits[c["profile"], c["anchor"]]
             add(f"{c['profile']}: quantize wall <= {lim} x {c['anchor']}", f"{r} x" if r else "anchor not run",
                 ("met" if r <= lim else "not met") if r else "n/a")
+            if c.get("block_ratio"):
+                r = c["block_ratio"]
+                add(f"{c['profile']}: median block <= {lim} x {c['anchor']}'s",
+                    f"{r} x ({c['ours_block_median_s']} s against {c['anchor_block_median_s']} s)",
+                    "met" if r <= lim else "not met")
     for p in PROFILES:
         if "stages" in runs.get(p, {}):
             rss = runs[p]["process_peak_rss_gib"]
@@ -407,13 +440,14 @@ def markdown(report: dict) -> str:
               "scaled too, so it over-estimates); other stages as measured. Anchor `load` is not scaled.", "",
               "### Ours vs the anchors (quantize stage vs the library's `quantize()`)", "",
               "| profile | anchor | ours s | anchor s | ratio ours/anchor | anchor load + quantize s | ratio ours/(load + "
-              f"quantize) | ours s/block | anchor s/block | ours s, {FULL_BLOCKS} blocks ({how}) "
-              f"| anchor s, {FULL_BLOCKS} blocks ({how}) |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"quantize) | ours s/block | anchor s/block | ours median block s | anchor median block s "
+              f"| ratio of medians | ours s, {FULL_BLOCKS} blocks ({how}) | anchor s, {FULL_BLOCKS} blocks ({how}) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in report["comparisons"]:
         lines.append(f"| {c['profile']} | {fmt(c['anchor'])} | {c['ours_quantize_s']} | {fmt(c.get('anchor_quantize_s'))} "
                      f"| {fmt(c.get('ratio'))} | {fmt(c.get('anchor_load_quantize_s'))} | {fmt(c.get('ratio_with_load'))} "
-                     f"| {c['ours_per_block_s']} | {fmt(c.get('anchor_per_block_s'))} "
+                     f"| {c['ours_per_block_s']} | {fmt(c.get('anchor_per_block_s'))} | {fmt(c['ours_block_median_s'])} "
+                     f"| {fmt(c.get('anchor_block_median_s'))} | {fmt(c.get('block_ratio'))} "
                      f"| {c['ours_36_blocks_s_extrapolated']} | {fmt(c.get('anchor_36_blocks_s_extrapolated'))} |")
     lines += ["", "### Fidelity on the held-out set (the evaluate stage's `compare` against BF16, same set)", "",
               "| run | held-out set (sha256) | kl_audio_mean | kl_audio_max | top1_audio_mean | kl_text |",

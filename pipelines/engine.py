@@ -92,6 +92,28 @@ def release_host_cache() -> None:
         empty()
 
 
+class _Clock:
+    """A block's wall time by phase, for the block lines (off: `device` None, nothing measured). On
+    a GPU each lap first waits for the work queued so far, so a phase is charged its own kernels
+    (the block's work is serial: the wait costs nothing measurable)."""
+
+    def __init__(self, device: str | None):
+        self.device, self.laps = device, {}
+        self.started = self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.device is None:
+            return
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.laps[phase], self.last = now - self.last, now
+
+    def line(self) -> str:
+        laps = ", ".join(f"{k} {v:.2f}" for k, v in self.laps.items())
+        return f"{self.last - self.started:.1f} s ({laps})"
+
+
 class Capture:
     """One Linear's inputs over the calibration set (on the device), each batch copied into its rows
     of one tensor allocated at the first batch: no per-batch copies to concatenate."""
@@ -239,40 +261,43 @@ class Engine:
         reads_fp_in = getattr(hook, "reads_fp_in", True)
         run = lambda layer, x: self.forward(layer, x, pos)  # noqa: E731
         for i in progress(range(start, n), desc=self.desc, unit="block", total=n, initial=start):
-            started = time.perf_counter()
+            clock = _Clock(self.device if self.block_lines else None)
             layer = load_block(self.cfg, i, self.get, self.dtype, self.device)
+            clock.lap("load")
             stores = {name: Capture(fp.shape[0]) for name in hook.capture}
             in_place = not reads_fp_in and fp is not quant  # block 0's quant stream is the fp stream's input
             fp_out = self.forward(layer, fp, pos, stores, out=fp if in_place else None)
             captured = {name: store.tensor for name, store in stores.items()}
             step = Step(i, layer, fp if reads_fp_in else None, fp_out, quant, captured, pos, run)
             fp = fp_out
+            clock.lap("fp forward")
             out = hook.on_block(step)
+            clock.lap("hook")
             del captured, stores, step, layer
             if isinstance(out, nn.Module):
                 if ckpt is not None:  # the quant stream is overwritten: block i-1's copy of it on disk first
                     self._written(hook, ckpt, ckpt.wait())
+                    clock.lap("checkpoint wait")
                 out = self.forward(out, quant, pos, out=None if quant is fp else quant)
+                clock.lap("quant forward")
             if quant is not None:
                 quant = out
             if ckpt is not None:
                 self._written(hook, ckpt, ckpt.save(i, hook, quant))
+                clock.lap("checkpoint")
             if self.block_lines:
-                self._block_line(i, n, started)
+                self.log(f"{self.desc} block {i} of {n}: {clock.line()}{self._memory()}")
         if ckpt is not None:
             self._written(hook, ckpt, ckpt.wait())
         self.last = {FP: fp, QUANT: quant}
 
-    def _block_line(self, i: int, n: int, started: float) -> None:
-        """Block i's wall time and the memory then: where a 36-block run's time and memory went."""
-        cuda = torch.device(self.device).type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
+    def _memory(self) -> str:
+        """The host RSS and GPU peak so far: where a 36-block run's memory went."""
         rss, peak = host_rss_gib(), host_rss_gib("VmHWM")
         host = "" if rss is None else f", host RSS {rss:.2f} GiB (peak {peak:.2f})"
-        gpu = (f", GPU allocated peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
-               if cuda else "")
-        self.log(f"{self.desc} block {i} of {n}: {time.perf_counter() - started:.1f} s{host}{gpu}")
+        if torch.device(self.device).type != "cuda":
+            return host
+        return host + f", GPU allocated peak {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB"
 
     @staticmethod
     def _written(hook, ckpt: BlockCheckpoint, i: int | None) -> None:

@@ -132,3 +132,26 @@ def test_streams_are_overwritten_in_place_where_nothing_reads_them_with_the_same
     # one buffer per stream (block 0's fp output is new: its input is also the quant stream's)
     assert len({s["fp_out"] for s in seen}) == 1 and len({s["quant_in"] for s in seen}) == 1
     assert len({s["fp_out"] for s in seen_kept}) > 1  # (a freed buffer's address can come back)
+
+
+def test_a_long_runs_block_lines_split_each_block_by_phase(tiny_path, tmp_path):
+    """With block lines on, each block's log line gives its wall time and the phases it went to
+    (load, the two forwards, the hook, the checkpoint), which add up to it: where a 36-block run's
+    time went, when its bar is silent off a terminal."""
+    import re
+
+    ck = Checkpoint(tiny_path)
+    cfg = MossTTSDelayConfig.from_dict(ck.config())
+    lines = []
+    engine = blocks.Engine(cfg, ck.get, "cpu", batch_size=2, log=lines.append, block_lines=True)
+    engine.run(_QuantStream(reads_fp_in=False), torch.randint(0, 60, (3, 9, 1 + cfg.n_vq)))
+    assert len(lines) == cfg.num_layers
+    for i, line in enumerate(lines):
+        m = re.fullmatch(rf"blocks block {i} of {cfg.num_layers}: ([\d.]+) s \((.*)\), host RSS .*", line)
+        assert m, line
+        laps = dict(re.fullmatch(r"(.+) ([\d.]+)", lap).groups() for lap in m[2].split(", "))
+        assert list(laps) == ["load", "fp forward", "hook", "quant forward"]
+        assert abs(sum(map(float, laps.values())) - float(m[1])) <= 0.05 + 0.01 * len(laps)
+    quiet = []
+    blocks.Engine(cfg, ck.get, "cpu", batch_size=2, log=quiet.append).run(_QuantStream(False), torch.randint(0, 60, (3, 9, 1 + cfg.n_vq)))
+    assert quiet == []
