@@ -84,6 +84,7 @@ def calib_ids(folder: Path, n: int, seqlen: int, seed: int) -> torch.Tensor:
 
 def run_autoawq(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
     from awq import AutoAWQForCausalLM
+    from awq.quantize.quantizer import AwqQuantizer
     from transformers import PreTrainedTokenizerFast
 
     stats = {}
@@ -95,14 +96,16 @@ def run_autoawq(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
     started = _stats_start()
     ours = {} if s.get("defaults") else {"n_parallel_calib_samples": s["n_parallel_calib_samples"],
                                          "duo_scaling": s["duo_scaling"], "apply_clip": s["apply_clip"]}
-    model.quantize(tok, quant_config=s["quant_config"], calib_data=ids, max_calib_samples=s["max_calib_samples"],
-                   max_calib_seq_len=s["max_calib_seq_len"], **ours)
-    stats["quantize"] = _stats_end(started)
+    with block_walls(AwqQuantizer, "_get_input_feat") as walls:  # its loop gathers each block's inputs first
+        model.quantize(tok, quant_config=s["quant_config"], calib_data=ids, max_calib_samples=s["max_calib_samples"],
+                       max_calib_seq_len=s["max_calib_seq_len"], **ours)
+    stats["quantize"] = _stats_end(started) | {"block_s": walls}
     return stats, decoder_layers(model.model)
 
 
 def run_autoround(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
     from auto_round import AutoRound
+    from auto_round.compressors import orchestrator
 
     ids = calib_ids(folder, s["nsamples"], s["seqlen"], s["seed"])
     stats = {}
@@ -116,31 +119,31 @@ def run_autoround(folder: Path, s: dict, device: str) -> tuple[dict, dict]:
                    seqlen=s["seqlen"], seed=s["seed"], device_map=device, **ours)
     stats["load"] = _stats_end(started)
     started = _stats_start()
-    with block_starts() as starts:
+    with block_walls(orchestrator, "materialize_model_") as walls:  # its loop materializes each block first
         ar.quantize()
-    stats["quantize"] = _stats_end(started)
-    ends = starts[1:] + [time.perf_counter()]  # the last block's: up to the end of quantize()
-    stats["quantize"]["block_s"] = [round(b - a, 3) for a, b in zip(starts, ends)]
+    stats["quantize"] = _stats_end(started) | {"block_s": walls}
     return stats, decoder_layers(ar.model)
 
 
 @contextmanager
-def block_starts():
-    """When auto-round's own loop starts each block (it materializes the block first, in
-    `_quantize_blocks`): its per-block walls, beside ours from the engine's block lines."""
-    from auto_round.compressors import orchestrator
-
-    starts, original = [], orchestrator.materialize_model_
+def block_walls(owner, name: str):
+    """The library's own loop timed per block, beside ours from the engine's block lines: `name`
+    (of module or class `owner`) is called once at the start of each block; the last block runs
+    to the end of the `with`. Yields the list the walls are put in, at the end."""
+    starts, original = [], getattr(owner, name)
 
     def timed(*args, **kwargs):
         starts.append(time.perf_counter())
         return original(*args, **kwargs)
 
-    orchestrator.materialize_model_ = timed
+    walls: list[float] = []
+    setattr(owner, name, timed)
     try:
-        yield starts
+        yield walls
     finally:
-        orchestrator.materialize_model_ = original
+        setattr(owner, name, original)
+        ends = starts[1:] + [time.perf_counter()]
+        walls += [round(b - a, 3) for a, b in zip(starts, ends)]
 
 
 def decoder_layers(model) -> dict[str, torch.Tensor]:
