@@ -140,7 +140,7 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         ar = compressor(layer, n, s, cfg, seed, device, grids)
         staged = staged_batches(device) if cuda and cfg.low_gpu_mem_usage else nullcontext()  # streams on the host
-        with torch.enable_grad(), best_params_in_place(), staged:
+        with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged:
             ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
                               device=device, auto_offload=False,
                               reference_output=[reference[i:i + 1] for i in range(n)])
@@ -150,8 +150,8 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = was[2]
-    # auto-round hands the block back on the host; the caller runs it next, on the device, and the
-    # integers are computed there too (on the host, 8B widths: seconds a block, with their packing)
+    # the caller runs the block next, on the device, and the integers are computed there too (on
+    # the host, 8B widths: seconds a block, with their packing)
     layer.to(device)
     tuned = {name: int_weight(mod) for name, mod in layer.named_modules() if isinstance(mod, nn.Linear) and hasattr(mod, "scale")}
     if not tuned:
@@ -161,6 +161,21 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
 
 def compiled(cfg: AutoRoundConfig, device: str) -> bool:
     return cfg.enable_torch_compile and str(device).startswith("cuda")
+
+
+@contextmanager
+def block_left_on_device():
+    """auto-round's block API moves the tuned block to the host when it is done: at 8B widths 0.4 GB
+    into fresh pageable memory, which the caller, running the block next on the device, would copy
+    straight back. Here the block stays where it was tuned."""
+    from auto_round.compressors import orchestrator
+
+    original = orchestrator.mv_module_from_gpu
+    orchestrator.mv_module_from_gpu = lambda module: module
+    try:
+        yield
+    finally:
+        orchestrator.mv_module_from_gpu = original
 
 
 @contextmanager

@@ -216,6 +216,28 @@ def test_best_params_kept_in_place_give_what_auto_rounds_own_copies_give(tiny_pa
         assert torch.equal(iw.q, theirs[name].q) and torch.equal(iw.scales, theirs[name].scales), name
 
 
+def test_the_tuned_block_is_not_sent_to_the_host_and_back(tiny_path, monkeypatch):
+    """auto-round's block API ends by moving the block to the host (`mv_module_from_gpu`); the engine
+    runs it next on the device, so tune_block keeps it there: auto-round's mover is not called for
+    the block, and is back afterwards."""
+    from auto_round.compressors import orchestrator
+
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    ids = calibration.build("moss-calib-v1", ckpt.config(), 2, 64).ids
+    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
+    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    moved, mover = [], orchestrator.mv_module_from_gpu
+    monkeypatch.setattr(orchestrator, "mv_module_from_gpu", lambda m: moved.append(m) or mover(m))
+    recorder = orchestrator.mv_module_from_gpu
+    cfg = AutoRoundConfig(iters=2, nsamples=2, seqlen=64, batch_size=2, lr=0.01)
+    layer = blocks.load_block(mcfg, 0, ckpt.get)
+    assert tune_block(layer, x, reference, pos, cfg, seed=0, device="cpu")
+    assert moved == [] and orchestrator.mv_module_from_gpu is recorder
+    orchestrator.mv_module_from_gpu(layer)  # (what the test would see, were the block sent)
+    assert moved == [layer]
+
+
 def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(tiny_path, monkeypatch):
     """The batches auto-round draws, copied into slots a step ahead from its own sampler's forecast
     (on a side stream on CUDA; here the same bookkeeping on the host): the same integers and scales
