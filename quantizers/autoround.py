@@ -138,12 +138,13 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
-        ar = compressor(layer, n, s, cfg, seed, device, grids)
-        staged = staged_batches(device) if cuda and cfg.low_gpu_mem_usage else nullcontext()  # streams on the host
-        with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged:
-            ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
-                              device=device, auto_offload=False,
-                              reference_output=[reference[i:i + 1] for i in range(n)])
+        with collections_of_new_objects_only():
+            ar = compressor(layer, n, s, cfg, seed, device, grids)
+            staged = staged_batches(device) if cuda and cfg.low_gpu_mem_usage else nullcontext()  # streams on the host
+            with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged:
+                ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
+                                  device=device, auto_offload=False,
+                                  reference_output=[reference[i:i + 1] for i in range(n)])
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         if was[2] is None:
@@ -161,6 +162,26 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
 
 def compiled(cfg: AutoRoundConfig, device: str) -> bool:
     return cfg.enable_torch_compile and str(device).startswith("cuda")
+
+
+@contextmanager
+def collections_of_new_objects_only():
+    """auto-round frees memory with full `gc.collect()`s, five a block, each walking every object
+    the process holds (about 400k with torch, transformers and auto-round loaded: 0.2-0.3 s a
+    walk on a 2-core CPU). The objects alive before are set aside (`gc.freeze`) while it runs:
+    its collections still free what the block's tuning left in cycles, in microseconds.
+    (Reference counting frees the set-aside objects as always; only their cycles wait for the
+    collector after.)"""
+    import gc
+
+    if gc.get_freeze_count():  # someone froze already: theirs to undo
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextmanager

@@ -238,6 +238,24 @@ def test_the_tuned_block_is_not_sent_to_the_host_and_back(tiny_path, monkeypatch
     assert moved == [layer]
 
 
+def test_auto_rounds_collections_walk_only_the_objects_of_its_block(tiny_path, monkeypatch):
+    """auto-round's full garbage collections during a block's tuning skip the objects the process held
+    before (frozen: hundreds of thousands, 0.2-0.3 s a walk here), and the freeze is undone after."""
+    import gc
+
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    ids = calibration.build("moss-calib-v1", ckpt.config(), 2, 64).ids
+    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
+    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    frozen, collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: frozen.append(gc.get_freeze_count()) or collect(*a))
+    cfg = AutoRoundConfig(iters=2, nsamples=2, seqlen=64, batch_size=2, lr=0.01)
+    assert tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    assert len(frozen) >= 2 and min(frozen) > 10_000  # auto-round collected, the process's objects set aside
+    assert gc.get_freeze_count() == 0
+
+
 def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(tiny_path, monkeypatch):
     """The batches auto-round draws, copied into slots a step ahead from its own sampler's forecast
     (on a side stream on CUDA; here the same bookkeeping on the host): the same integers and scales
