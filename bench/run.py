@@ -319,8 +319,8 @@ def median_run(tries: list[dict]) -> dict:
 
 
 def median(walls: list[float] | None) -> float | None:
-    """A block's typical wall: the median over the blocks, past the compile of the first (and of a
-    resumed process's first) whenever there are three or more."""
+    """A block's typical wall: the median over the blocks (past the compile and first calls of the
+    first, and of a resumed process's first, when there are three or more)."""
     return round(statistics.median(walls), 2) if walls else None
 
 
@@ -360,7 +360,8 @@ def _comparison(profile: str, ours: dict, anchor: str | None, runs: dict, layers
                     "anchor_block_median_s": median(theirs.get("block_s")),
                     "anchor_36_blocks_s_extrapolated": round(theirs["wall_s"] / layers * FULL_BLOCKS, 1),
                     "ratio": round(ours["wall_s"] / theirs["wall_s"], 3)})
-        if row["ours_block_median_s"] and row["anchor_block_median_s"]:
+        walls = (runs[profile].get("block_s", {}).get("quantize") or [], theirs.get("block_s") or [])
+        if min(map(len, walls)) >= 3:  # past the first block's compile and first calls: with fewer, those decide
             row["block_ratio"] = round(row["ours_block_median_s"] / row["anchor_block_median_s"], 3)
         load = runs[anchor]["stages"].get("load")
         if load:  # our quantize stage reads its weights and sets the library up itself; the anchor does that in `load`
