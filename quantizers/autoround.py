@@ -139,12 +139,7 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:  # auto-round switches deterministic algorithms and the cuBLAS workspace on process-wide: give them back
         with collections_of_new_objects_only():
-            ar = compressor(layer, n, s, cfg, seed, device, grids)
-            staged = staged_batches(device) if cuda and cfg.low_gpu_mem_usage else nullcontext()  # streams on the host
-            with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged:
-                ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
-                                  device=device, auto_offload=False,
-                                  reference_output=[reference[i:i + 1] for i in range(n)])
+            _quantize_block(layer, inputs, reference, kwargs, cfg, seed, device, grids)
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         if was[2] is None:
@@ -160,6 +155,16 @@ def tune_block(layer: nn.Module, inputs: torch.Tensor, reference: torch.Tensor, 
     return dict(sorted(tuned.items()))
 
 
+def _quantize_block(layer, inputs, reference, kwargs, cfg: AutoRoundConfig, seed: int, device: str, grids) -> None:
+    """auto-round's block API on `layer`; what it made is garbage once this returns."""
+    n, s = inputs.shape[:2]
+    ar = compressor(layer, n, s, cfg, seed, device, grids)
+    staged = staged_batches(device) if str(device).startswith("cuda") and cfg.low_gpu_mem_usage else nullcontext()
+    with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged:  # staged: streams on the host
+        ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
+                          device=device, auto_offload=False, reference_output=[reference[i:i + 1] for i in range(n)])
+
+
 def compiled(cfg: AutoRoundConfig, device: str) -> bool:
     return cfg.enable_torch_compile and str(device).startswith("cuda")
 
@@ -168,10 +173,11 @@ def compiled(cfg: AutoRoundConfig, device: str) -> bool:
 def collections_of_new_objects_only():
     """auto-round frees memory with full `gc.collect()`s, five a block, each walking every object
     the process holds (about 400k with torch, transformers and auto-round loaded: 0.2-0.3 s a
-    walk on a 2-core CPU). The objects alive before are set aside (`gc.freeze`) while it runs:
-    its collections still free what the block's tuning left in cycles, in microseconds.
-    (Reference counting frees the set-aside objects as always; only their cycles wait for the
-    collector after.)"""
+    walk on a 2-core CPU). The objects alive before are set aside (`gc.freeze`) while it runs, so
+    its collections walk only the block's own. One more collection, before they are given back,
+    frees what the block left in cycles: auto-round's Linear wrappers refer to themselves and hold
+    the block's Linears (0.4 GB of GPU a block at 8B widths), and no collection would reach them
+    later but a full one. (Reference counting frees set-aside objects as always.)"""
     import gc
 
     if gc.get_freeze_count():  # someone froze already: theirs to undo
@@ -181,6 +187,7 @@ def collections_of_new_objects_only():
     try:
         yield
     finally:
+        gc.collect()
         gc.unfreeze()
 
 

@@ -240,7 +240,9 @@ def test_the_tuned_block_is_not_sent_to_the_host_and_back(tiny_path, monkeypatch
 
 def test_auto_rounds_collections_walk_only_the_objects_of_its_block(tiny_path, monkeypatch):
     """auto-round's full garbage collections during a block's tuning skip the objects the process held
-    before (frozen: hundreds of thousands, 0.2-0.3 s a walk here), and the freeze is undone after."""
+    before (frozen: hundreds of thousands, 0.2-0.3 s a walk here), the freeze is undone after, and
+    the block leaves no garbage in cycles behind (auto-round's self-referring Linear wrappers, which
+    hold the block's Linears: on a GPU, its weights), which no later young collection would free."""
     import gc
 
     ckpt = Checkpoint(tiny_path)
@@ -251,9 +253,19 @@ def test_auto_rounds_collections_walk_only_the_objects_of_its_block(tiny_path, m
     frozen, collect = [], gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: frozen.append(gc.get_freeze_count()) or collect(*a))
     cfg = AutoRoundConfig(iters=2, nsamples=2, seqlen=64, batch_size=2, lr=0.01)
-    assert tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
-    assert len(frozen) >= 2 and min(frozen) > 10_000  # auto-round collected, the process's objects set aside
+    collect()  # what the set-up left
+    for i in range(2):
+        assert tune_block(blocks.load_block(mcfg, i, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
+    assert len(frozen) >= 4 and min(frozen) > 10_000  # auto-round collected, the process's objects set aside
     assert gc.get_freeze_count() == 0
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        collect()
+        left = [type(o).__name__ for o in gc.garbage if isinstance(o, (torch.Tensor, torch.nn.Module))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == [], left
 
 
 def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(tiny_path, monkeypatch):
