@@ -29,6 +29,15 @@ def _manifest(ctx):
     return json.loads((ctx.bundle / "manifest.json").read_text())
 
 
+def _block0(tiny_path, n: int):
+    """The tiny fixture's block 0 on n x 64 tokens of moss-calib-v1: its inputs, rotary and source output."""
+    ckpt = Checkpoint(tiny_path)
+    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
+    ids = calibration.build("moss-calib-v1", ckpt.config(), n, 64).ids
+    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
+    return ckpt, mcfg, x, pos, blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+
+
 def test_autoround_q3_beats_rtn3_on_the_same_grid(ar_build, tiny_path):
     m = _manifest(ar_build)
     ar, base = m["evaluation"]["metrics"], m["evaluation"]["baseline"]
@@ -193,11 +202,7 @@ def test_best_params_kept_in_place_give_what_auto_rounds_own_copies_give(tiny_pa
     from auto_round.algorithms.quantization.sign_round import quantizer
     from quantizers import autoround
 
-    ckpt = Checkpoint(tiny_path)
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
-    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
-    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    ckpt, mcfg, x, pos, reference = _block0(tiny_path, 4)
     cfg = AutoRoundConfig(iters=6, nsamples=4, seqlen=64, batch_size=2, lr=0.01)  # the loss improves every step
     own = quantizer.collect_best_params
     calls = []
@@ -222,11 +227,7 @@ def test_the_tuned_block_is_not_sent_to_the_host_and_back(tiny_path, monkeypatch
     the block, and is back afterwards."""
     from auto_round.compressors import orchestrator
 
-    ckpt = Checkpoint(tiny_path)
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    ids = calibration.build("moss-calib-v1", ckpt.config(), 2, 64).ids
-    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
-    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    ckpt, mcfg, x, pos, reference = _block0(tiny_path, 2)
     moved, mover = [], orchestrator.mv_module_from_gpu
     monkeypatch.setattr(orchestrator, "mv_module_from_gpu", lambda m: moved.append(m) or mover(m))
     recorder = orchestrator.mv_module_from_gpu
@@ -245,11 +246,7 @@ def test_auto_rounds_collections_walk_only_the_objects_of_its_block(tiny_path, m
     hold the block's Linears: on a GPU, its weights), which no later young collection would free."""
     import gc
 
-    ckpt = Checkpoint(tiny_path)
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    ids = calibration.build("moss-calib-v1", ckpt.config(), 2, 64).ids
-    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
-    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    ckpt, mcfg, x, pos, reference = _block0(tiny_path, 2)
     frozen, collect = [], gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: frozen.append(gc.get_freeze_count()) or collect(*a))
     cfg = AutoRoundConfig(iters=2, nsamples=2, seqlen=64, batch_size=2, lr=0.01)
@@ -276,11 +273,7 @@ def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(t
     from auto_round.algorithms.quantization.sign_round.quantizer import IndexSampler, SignRoundQuantizer
     from quantizers import autoround
 
-    ckpt = Checkpoint(tiny_path)
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
-    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
-    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    ckpt, mcfg, x, pos, reference = _block0(tiny_path, 4)
     cfg = AutoRoundConfig(iters=7, nsamples=4, seqlen=64, batch_size=2, lr=0.01)
     plain = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
     served, row = [], autoround._Slots.row
@@ -313,11 +306,7 @@ def test_a_bf16_block_tunes_in_bf16_on_every_cpu_without_asking_it(tiny_path, mo
             asked.append(1)
             self.bf16 = cpu_has_bf16
 
-    ckpt = Checkpoint(tiny_path)
-    mcfg = MossTTSDelayConfig.from_dict(ckpt.config())
-    ids = calibration.build("moss-calib-v1", ckpt.config(), 4, 64).ids
-    x, pos = blocks.embed(mcfg, ckpt.get, ids), blocks.rotary(mcfg, 64)
-    reference = blocks.Engine(mcfg, ckpt.get).forward(blocks.load_block(mcfg, 0, ckpt.get), x, pos)
+    ckpt, mcfg, x, pos, reference = _block0(tiny_path, 4)
     cfg = AutoRoundConfig(iters=4, nsamples=4, seqlen=64, batch_size=2, lr=0.01)
     bf16 = tune_block(blocks.load_block(mcfg, 0, ckpt.get), x, reference, pos, cfg, seed=0, device="cpu")
     monkeypatch.setattr(ar_device, "CpuInfo", Probe)
