@@ -134,10 +134,10 @@ def test_streams_are_overwritten_in_place_where_nothing_reads_them_with_the_same
     assert len({s["fp_out"] for s in seen_kept}) > 1  # (a freed buffer's address can come back)
 
 
-def test_a_long_runs_block_lines_split_each_block_by_phase(tiny_path, tmp_path):
+def test_a_long_runs_block_lines_split_each_block_by_phase(tiny_path):
     """With block lines on, each block's log line gives its wall time and the phases it went to
-    (load, the two forwards, the hook, the checkpoint), which add up to it: where a 36-block run's
-    time went, when its bar is silent off a terminal."""
+    (load, the two forwards, the hook; with checkpoints, their writes too), which add up to it:
+    where a 36-block run's time went, when its bar is silent off a terminal. Off, no line."""
     import re
 
     ck = Checkpoint(tiny_path)
