@@ -351,17 +351,17 @@ def comparisons(runs: dict, layers: int) -> list[dict]:
 
 def _comparison(profile: str, ours: dict, anchor: str | None, runs: dict, layers: int) -> dict:
     theirs = runs.get(anchor, {}).get("stages", {}).get("quantize") if anchor else None
+    our_blocks = runs[profile].get("block_s", {}).get("quantize") or []
     row = {"profile": profile, "anchor": anchor, "ours_quantize_s": ours["wall_s"],
            "ours_per_block_s": round(ours["wall_s"] / layers, 2),
-           "ours_block_median_s": median(runs[profile].get("block_s", {}).get("quantize")),
+           "ours_block_median_s": median(our_blocks),
            "ours_36_blocks_s_extrapolated": round(ours["wall_s"] / layers * FULL_BLOCKS, 1)}
     if theirs:
         row.update({"anchor_quantize_s": theirs["wall_s"], "anchor_per_block_s": round(theirs["wall_s"] / layers, 2),
                     "anchor_block_median_s": median(theirs.get("block_s")),
                     "anchor_36_blocks_s_extrapolated": round(theirs["wall_s"] / layers * FULL_BLOCKS, 1),
                     "ratio": round(ours["wall_s"] / theirs["wall_s"], 3)})
-        walls = (runs[profile].get("block_s", {}).get("quantize") or [], theirs.get("block_s") or [])
-        if min(map(len, walls)) >= 3:  # past the first block's compile and first calls: with fewer, those decide
+        if min(len(our_blocks), len(theirs.get("block_s") or [])) >= 3:  # past the first block's compile and first calls: with fewer, those decide
             row["block_ratio"] = round(row["ours_block_median_s"] / row["anchor_block_median_s"], 3)
         load = runs[anchor]["stages"].get("load")
         if load:  # our quantize stage reads its weights and sets the library up itself; the anchor does that in `load`
