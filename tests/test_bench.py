@@ -149,3 +149,20 @@ def test_blocks_are_compared_by_their_median_past_the_first():
     assert (row["ours_block_median_s"], row["anchor_block_median_s"], row["block_ratio"]) == (11.5, 10.0, 1.15)
     runs["auto-round-defaults"]["stages"]["quantize"]["block_s"] = [20.0, 10.0]
     assert "block_ratio" not in next(r for r in comparisons(runs, 4) if r["anchor"] == "auto-round-defaults")
+
+
+def test_gc_walks_counts_auto_rounds_collections_per_block_with_and_without_the_freeze(capsys):
+    """bench/gc_walks.py, the figure BENCHMARKS gives for auto-round's collections: a line per block
+    and setting, each with collections counted, and gc.collect and the freeze given back after."""
+    import gc
+
+    from bench.gc_walks import main
+    from quantizers import autoround
+
+    collect, frozen = gc.collect, autoround.collections_of_new_objects_only
+    main(["--blocks", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == ["as tune_block runs (objects alive before set aside)",
+                                                      "without the freeze"]
+    assert all(int(line.split(": ")[1].split()[0]) >= 1 for line in lines), lines  # collections counted
+    assert gc.collect is collect and autoround.collections_of_new_objects_only is frozen and not gc.get_freeze_count()
