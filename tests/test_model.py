@@ -155,3 +155,49 @@ def test_a_long_runs_block_lines_split_each_block_by_phase(tiny_path):
     quiet = []
     blocks.Engine(cfg, ck.get, "cpu", batch_size=2, log=quiet.append).run(_QuantStream(False), torch.randint(0, 60, (3, 9, 1 + cfg.n_vq)))
     assert quiet == []
+
+
+def test_prefetch_reads_the_next_block_while_the_hook_runs_with_the_same_values(tiny_path):
+    """With prefetch, block i+1's tensors are asked of the getter while block i's hook runs (on a GPU
+    the tuning hides their read and NaN/Inf check), and the streams are bit for bit those of a run
+    without it. A getter's error is raised by the run, at the block it belongs to."""
+    import threading
+
+    from pipelines.errors import PipelineError
+    from pipelines.models.moss_tts_delay import BLOCK_PREFIX
+
+    ck = Checkpoint(tiny_path)
+    cfg = MossTTSDelayConfig.from_dict(ck.config())
+    ids = torch.randint(0, 60, (3, 9, 1 + cfg.n_vq))
+    plain = blocks.Engine(cfg, ck.get, "cpu", batch_size=2)
+    plain.run(_QuantStream(False), ids)
+
+    asked = threading.Event()
+
+    def get(name):
+        if name.startswith(f"{BLOCK_PREFIX}.1."):
+            asked.set()
+        return ck.get(name)
+
+    class WaitsForBlock1(_QuantStream):
+        def on_block(self, step):
+            if step.index == 0:
+                assert asked.wait(10), "block 1 was not read while block 0's hook ran"
+            return super().on_block(step)
+
+    ahead = blocks.Engine(cfg, get, "cpu", batch_size=2, prefetch=True)
+    ahead.run(WaitsForBlock1(False), ids)
+    for stream in (blocks.FP, blocks.QUANT):
+        assert torch.equal(plain.last[stream], ahead.last[stream])
+
+    broken = f"{BLOCK_PREFIX}.2.mlp.up_proj.weight"
+
+    def failing(name):
+        if name == broken:
+            raise PipelineError(f"tensor {name} contains NaN or Inf")
+        return ck.get(name)
+
+    hook = _QuantStream(False)
+    with pytest.raises(PipelineError, match=broken):
+        blocks.Engine(cfg, failing, "cpu", batch_size=2, prefetch=True).run(hook, ids)
+    assert len(hook.seen) == 2  # blocks 0 and 1 ran; block 2's read failed during block 1, raised at block 2

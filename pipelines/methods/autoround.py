@@ -74,7 +74,7 @@ def quantize(ctx, cfg: AutoRoundConfig, device: str) -> Weights:
             f"{ids.shape[0]} x {ids.shape[1]} MOSS block inputs, device {device}")
     hook = AutoRoundHook(cfg, ctx.seed, device)
     Engine(mcfg, ckpt.get, device, desc="auto-round", batch_size=cfg.batch_size, log=ctx.log,
-           block_lines=True).run(
+           block_lines=True, prefetch=device.startswith("cuda")).run(
         hook, ids, resume=ctx.partial)
     missing = sorted(set(block_linear_names(mcfg)) - set(hook.packed))
     if missing:

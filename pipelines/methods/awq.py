@@ -155,7 +155,7 @@ def quantize(ctx, cfg: AWQConfig, device: str) -> Weights:
     ids = calibration_batch(ctx, cfg)
     hook = AWQHook(cfg, plan, ctx.log)
     Engine(mcfg, ckpt.get, device, cfg.torch_dtype(device), cfg.batch_size, desc="awq", log=ctx.log,
-           block_lines=True).run(
+           block_lines=True, prefetch=device.startswith("cuda")).run(
         hook, ids, resume=ctx.partial)
     details = {
         "search": (SEARCH_OURS if cfg.search == "ours" else
