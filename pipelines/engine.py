@@ -72,8 +72,7 @@ def load_block(cfg: MossTTSDelayConfig, i: int, get: Getter, dtype=torch.bfloat1
     """Block i with `get`'s tensors, or those `read_block` already read."""
     with torch.device("meta"):
         layer = Qwen3DecoderLayer(cfg.qwen3(), layer_idx=i)
-    prefix = f"{BLOCK_PREFIX}.{i}."
-    tensors = read or {name: get(prefix + name) for name, _ in layer.named_parameters()}
+    tensors = read or read_block(cfg, i, get)
     layer.load_state_dict({name: tensors[name].to(device, dtype) for name, _ in layer.named_parameters()},
                           assign=True)
     return layer.eval().requires_grad_(False)
