@@ -161,6 +161,43 @@ def test_streamed_fisher_equals_autograd_through_the_whole_model(tiny_path):
         assert torch.allclose(streamed[i], (g * g).mean(0), rtol=1e-4, atol=1e-12), i
 
 
+def test_fisher_with_recomputed_segments_is_bit_identical_to_keeping_every_block_input(tiny_path):
+    """The backward recomputes a segment's block inputs from the one the forward kept: the same
+    batches through the same blocks, so the same bits as keeping all n inputs (segment=1), for any
+    segment length; the recompute is visible as the extra block reads."""
+    from pipelines.checkpoint import Checkpoint
+    from pipelines.engine import Engine
+    from pipelines.methods.sensitivity import sampled_loglik_grad
+    from pipelines.models.moss_tts_delay import MossTTSDelayConfig
+
+    ckpt = Checkpoint(tiny_path)
+    config = ckpt.config()
+    cfg = MossTTSDelayConfig.from_dict(config)
+    n = cfg.num_layers
+    assert n >= 3
+    ids = build_calibration("moss-calib-v1", config, 3, 40).ids
+    reads = []
+
+    def get(name):
+        if name.endswith(".input_layernorm.weight"):
+            reads.append(int(name.split(".")[2]))
+        return ckpt.get(name)
+
+    def fisher(segment):
+        reads.clear()
+        return Engine(cfg, get, "cpu", torch.float32, batch_size=2).output_fisher(
+            ids, sampled_loglik_grad(cfg, config, ckpt.get, ids, "cpu", torch.float32), segment=segment)
+
+    every = fisher(1)
+    assert reads == list(range(n)) + list(reversed(range(n)))  # forward, then backward: nothing recomputed
+    for segment in (2, n - 1, n, None):
+        got = fisher(segment)
+        assert all(torch.equal(a, b) for a, b in zip(got, every, strict=True)), segment
+    fisher(2)  # each segment, last first: its inputs recomputed (all blocks but its last), then its backward
+    segments = [range(s, min(s + 2, n)) for s in reversed(range(0, n, 2))]
+    assert reads == list(range(n)) + [i for seg in segments for i in [*seg[:-1], *reversed(seg)]]
+
+
 def test_fisher_weighted_block_errors_rank_tensors_as_the_model_output_kl_does(tiny_path):
     """The score is taken at the block output; what it stands for is the model's output. Each Linear
     quantized alone (2-bit RTN, a strong perturbation): half the score against the KL it adds to the

@@ -144,21 +144,23 @@ class MeasureHook:
         p, i = self.params, step.index
         q_in = step.quant_in
         ref = step.run(step.layer, q_in)  # the source block on its real inputs
-        tuned, stream = {}, None
-        for grid in parse_grids(p.grids):
+        scores, stream = {m: {} for m in BLOCK_LINEARS}, None
+        for grid in parse_grids(p.grids):  # one grid's integers at a time (int32: 0.8 GB a grid at 8B widths)
             layer = copy.deepcopy(step.layer)
-            tuned[grid] = {m: iw.to("cpu") for m, iw in self._tune(layer, step, grid).items()}  # 6 grids: on the host
+            tuned = self._tune(layer, step, grid)
             if grid == tuple(p.stream_grid):
                 stream = layer  # the engine runs it on the quant stream
-        for m in BLOCK_LINEARS:  # each Linear's tuned weights alone in the source block
-            mod = step.layer.get_submodule(m)
-            source, scores = mod.weight, {}
-            for grid, ints in tuned.items():
-                mod.weight = nn.Parameter(ints[m].dequantize(source.dtype).to(source.device), requires_grad=False)
+            for m in BLOCK_LINEARS:  # each Linear's tuned weights alone in the source block
+                mod = step.layer.get_submodule(m)
+                source = mod.weight
+                mod.weight = nn.Parameter(tuned.pop(m).dequantize(source.dtype).to(source.device), requires_grad=False)
                 out = step.run(step.layer, q_in)
-                scores[grid_name(grid)] = sig(weighted_error(out.float() - ref.float(), self.fisher[i]))
-            mod.weight = source
-            self.tensors[f"{BLOCK_PREFIX}.{i}.{m}"] = {"shape": list(source.shape), "scores": scores}
+                scores[m][grid_name(grid)] = sig(weighted_error(out.float() - ref.float(), self.fisher[i]))
+                mod.weight = source
+            del layer, tuned
+        for m in BLOCK_LINEARS:
+            shape = list(step.layer.get_submodule(m).weight.shape)
+            self.tensors[f"{BLOCK_PREFIX}.{i}.{m}"] = {"shape": shape, "scores": scores[m]}
         return stream
 
     def _tune(self, layer, step, grid: Grid):
