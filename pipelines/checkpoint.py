@@ -150,9 +150,16 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """No NaN/Inf, checked in chunks: a whole-tensor float copy of an embedding table is GiBs."""
+    """No NaN/Inf: one min/max reduction, no copy (aminmax propagates a NaN, and an infinity is the
+    min or the max); isfinite on float copies was most of a block's load on a CPU (BENCHMARKS.md).
+    float8 has no aminmax kernel: float copies, in chunks."""
     flat = t.reshape(-1)
-    return all(bool(torch.isfinite(c.float()).all()) for c in flat.split(chunk))
+    if flat.numel() == 0:
+        return True
+    if t.dtype.itemsize == 1:
+        return all(bool(torch.isfinite(c.float()).all()) for c in flat.split(chunk))
+    lo, hi = torch.aminmax(flat)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def shard_plan(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:

@@ -69,3 +69,18 @@ def test_tensors_are_read_one_at_a_time_and_checked(tmp_path):
     bad = {"w": Lazy(torch.float32, (2, 2), lambda: torch.zeros(2, 3))}
     with pytest.raises(PipelineError, match=r"tensor w came as torch.float32 \[2, 3\], expected torch.float32 \[2, 2\]"):
         write_safetensors(tmp_path / "bad.safetensors", bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn])
+def test_a_nan_or_an_infinity_anywhere_in_a_tensor_is_found(dtype):
+    from pipelines.checkpoint import all_finite
+
+    n = 3 * (1 << 10) + 5  # several chunks of 1024, and a ragged last one
+    clean = torch.linspace(-4, 4, n).to(dtype)
+    assert all_finite(clean, chunk=1 << 10) and all_finite(clean[:0])
+    bad = [float("nan")] + ([] if dtype == torch.float8_e4m3fn else [float("inf"), float("-inf")])  # e4m3fn has no inf
+    for value in bad:
+        for at in (0, 1 << 10, n // 2, n - 1):
+            t = clean.clone()
+            t[at] = value
+            assert not all_finite(t, chunk=1 << 10), (value, at)
