@@ -189,8 +189,8 @@ class Engine:
     last: dict = field(default_factory=dict)  # the final hidden states of each stream after run()
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr)
     block_lines: bool = False  # one log line a block (a long run: the bar is silent off a terminal)
-    # Read block i+1 on a thread while block i runs: its load (the read and the NaN/Inf check, 0.6-0.8 s
-    # at 8B widths on an H100 host) is then hidden behind the tuning, for one more block on the host.
+    # Read block i+1 on a thread while block i runs, for one more block on the host. Measured at 8B widths
+    # on an H100 (BENCHMARKS.md): the load 1 s -> 0.1 s, the tuning beside the read 0.4 s slower.
     prefetch: bool = False
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
@@ -255,7 +255,8 @@ class Engine:
             for i in range(start, min(start + k, n) - 1):
                 inputs.append(self.forward(load_block(self.cfg, i, self.get, self.dtype, self.device), inputs[-1], pos))
             for i in reversed(range(start, start + len(inputs))):
-                g = grad.to(self.device).reshape(-1, grad.shape[-1]).double()
+                grad = grad.to(self.device)  # once a block: the square-sum and every batch's backward read it
+                g = grad.reshape(-1, grad.shape[-1]).double()
                 out[i] = ((g * g).sum(0) / tokens).to(host)
                 del g
                 layer, back = load_block(self.cfg, i, self.get, self.dtype, self.device), []
@@ -263,7 +264,7 @@ class Engine:
                     h = inputs[i - start][b].to(self.device).requires_grad_()
                     with torch.enable_grad():
                         o = layer(h, attention_mask=None, position_embeddings=pos, position_ids=None)
-                        (o[0] if isinstance(o, tuple) else o).backward(grad[b].to(self.device))
+                        (o[0] if isinstance(o, tuple) else o).backward(grad[b])
                     back.append(h.grad.to(host))
                 grad, inputs[i - start] = torch.cat(back), None
                 bar.update()
