@@ -96,10 +96,12 @@ def block_fixture(model: str, work: Path, layers: int, device: str) -> Path:
     return path
 
 
-def bench_profile(name: str, model: str, work: Path, smoke: bool) -> Path:
+def bench_profile(name: str, model: str, work: Path, smoke: bool, sets: dict | None = None,
+                  taken: set | None = None) -> Path:
     """A copy of the profile without the free-running evaluation (an evaluation with its own cost,
     not what the speed and memory targets are about: its gate bounds go with it); with `smoke`, its
-    per-model overrides for `model` shrunk by SMOKE."""
+    per-model overrides for `model` shrunk by SMOKE; `sets` ({stage: {key: value}}, --set) applied
+    where the stage has the key, each one applied added to `taken` as "stage.key"."""
     import yaml
 
     from pipelines.api import plan
@@ -117,6 +119,9 @@ def bench_profile(name: str, model: str, work: Path, smoke: bool) -> Path:
     for stage, params in prof.stages.items():
         fields = {f.name for f in dataclasses.fields(getattr(params, "config", params))}
         small = {k: v for k, v in SMOKE.get(stage, {}).items() if k in fields} if smoke else {}
+        small |= {k: v for k, v in (sets or {}).get(stage, {}).items() if k in fields}
+        if taken is not None:
+            taken |= {f"{stage}.{k}" for k in (sets or {}).get(stage, {}) if k in fields}
         if small:
             over[stage] = {**(over.get(stage) or {}), **small}
     for m in raw["models"].values():
@@ -491,6 +496,9 @@ def main(argv=None) -> None:
                    help="SECONDS after this command started, kill the profile's run still going, keeping its stage "
                         "cache and block checkpoints: the same command again resumes it, and its figures are summed "
                         "over the processes (runs longer than one command may take)")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="override a stage parameter in each of our profiles that has it, for an A/B on the same "
+                        "machine (e.g. --set quantize.enable_deterministic_algorithms=false); anchors keep theirs")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -501,8 +509,13 @@ def main(argv=None) -> None:
 
     from bench.anchors import ANCHORS, settings
     from pipelines.api import plan
-    from pipelines.profile import known_profiles
+    from pipelines.profile import known_profiles, parse_overrides
     from pipelines.environment import library_versions
+
+    try:
+        sets = parse_overrides(args.set)
+    except Exception as e:
+        sys.exit(f"bench: {e}")
 
     device = "cpu" if args.smoke else ("cuda" if torch.cuda.is_available() else "cpu")
     model = "tiny" if args.smoke else "full-shape"
@@ -519,16 +532,19 @@ def main(argv=None) -> None:
     (gen_spec, gen_path), (codec_spec, codec_path) = fx["generator"], fx["codec"]
     layers = json.loads((gen_path / "config.json").read_text())["language_config"]["num_hidden_layers"]
 
-    jobs, skipped = {}, {}
+    jobs, skipped, taken = {}, {}, set()
     for name in requested:
         if name not in known_profiles():
             skipped[name] = "no configs/profiles/" + name + ".yaml yet"
             continue
         spec, path = (codec_spec, codec_path) if name.startswith("codec") else (gen_spec, gen_path)
-        profile = str(bench_profile(name, spec.name, work, args.smoke))
+        profile = str(bench_profile(name, spec.name, work, args.smoke, sets, taken))
         job = {"what": "profile", "profile": profile, "snapshot": str(path),
                "spec": {**dataclasses.asdict(spec), "yaml_path": str(spec.yaml_path)}}
         jobs[name] = job
+    unused = sorted({f"{st}.{k}" for st, kv in sets.items() for k in kv} - taken)
+    if unused:
+        sys.exit(f"bench: --set {', '.join(unused)}: no profile in --profiles has that stage parameter")
     if anchors:
         for anchor, profile in ANCHORS.items():
             if profile not in known_profiles():

@@ -166,3 +166,30 @@ def test_gc_walks_counts_auto_rounds_collections_per_block_with_and_without_the_
                                                       "without the freeze"]
     assert all(int(line.split(": ")[1].split()[0]) >= 1 for line in lines), lines  # collections counted
     assert gc.collect is collect and autoround.collections_of_new_objects_only is frozen and not gc.get_freeze_count()
+
+
+def test_set_overrides_our_profiles_where_the_stage_has_the_key_and_refuses_a_key_none_has(tmp_path):
+    """--set is for an A/B on one machine (e.g. determinism off): it lands in the profile copy our run
+    builds from, only in profiles whose stage has that parameter; a key that no profile takes is
+    refused before anything runs (a misspelt key would otherwise measure the default twice)."""
+    import yaml
+
+    from bench.run import bench_profile
+    from pipelines.api import plan
+
+    taken: set = set()
+    sets = {"quantize": {"enable_deterministic_algorithms": False, "group_size": 64}}
+    ar = bench_profile("autoround-q3", "tiny", tmp_path, False, sets, taken)
+    fp8 = bench_profile("codec-fp8", "codec-tiny", tmp_path, False, sets, taken)
+    assert taken == {"quantize.enable_deterministic_algorithms", "quantize.group_size"}
+    q = plan(str(ar), "tiny").stages["quantize"].config
+    assert (q.enable_deterministic_algorithms, q.group_size, q.iters) == (False, 64, 200)
+    assert "enable_deterministic_algorithms" not in json.dumps(yaml.safe_load(fp8.read_text())["models"])
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--profiles", "autoround-q3",
+                           "--set", "quantize.enable_determinstic_algorithms=false", "--out", str(tmp_path / "o"),
+                           "--work", str(tmp_path / "w")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == ("bench: --set quantize.enable_determinstic_algorithms: "
+                                                    "no profile in --profiles has that stage parameter")
+    assert not (tmp_path / "o" / "bench.json").exists()
