@@ -44,6 +44,9 @@ class AutoRoundConfig:
     # CUDA only (on the CPU inductor would compile C++ for minutes). auto-round's default is on;
     # measured deterministic with enable_deterministic_algorithms (bench/autoround_settings.py).
     enable_torch_compile: bool = False
+    # With enable_torch_compile: one static graph per weight shape and grid (`static_shapes`) instead of
+    # dynamo's symbolic ones. Off until an A/B on a GPU shows it faster (BENCHMARKS.md, status table).
+    compile_static_shapes: bool = False
 
     def validate(self):
         if self.bits not in FORMAT_BITS:
@@ -160,13 +163,31 @@ def _quantize_block(layer, inputs, reference, kwargs, cfg: AutoRoundConfig, seed
     n, s = inputs.shape[:2]
     ar = compressor(layer, n, s, cfg, seed, device, grids)
     staged = staged_batches(device) if str(device).startswith("cuda") and cfg.low_gpu_mem_usage else nullcontext()
-    with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged:  # staged: streams on the host
+    static = static_shapes() if compiled(cfg, device) and cfg.compile_static_shapes else nullcontext()
+    with torch.enable_grad(), best_params_in_place(), block_left_on_device(), staged, static:  # staged: streams on the host
         ar.quantize_block(layer, [(((inputs[i:i + 1],), kwargs),) for i in range(n)], q_input=None,
                           device=device, auto_offload=False, reference_output=[reference[i:i + 1] for i in range(n)])
 
 
 def compiled(cfg: AutoRoundConfig, device: str) -> bool:
     return cfg.enable_torch_compile and str(device).startswith("cuda")
+
+
+# A block's Linears have 4 weight shapes; a mixed grid has up to 6 (bits, group_size) pairs.
+STATIC_GRAPHS = 64
+
+
+@contextmanager
+def static_shapes():
+    """auto-round compiles its weight quantizer (one code object for every Linear) meaning one static
+    graph per shape (its cache-limit bump says so), but dynamo's automatic dynamic shapes recompile it
+    at the second shape for symbolic shapes, and on a mixed grid for symbolic bits and group size:
+    counted on a CPU, 4 shapes x 6 grids give 4-5 graphs, the last symbolic in all of them. Here each
+    (shape, grid) gets its own static graph, compiled once and reused by every block."""
+    import torch._dynamo.config as dynamo
+
+    with dynamo.patch(automatic_dynamic_shapes=False, recompile_limit=max(dynamo.recompile_limit, STATIC_GRAPHS)):
+        yield
 
 
 @contextmanager
@@ -396,4 +417,5 @@ def determinism_record(cfg: AutoRoundConfig, device: str) -> dict:
     """What auto-round ran under (it sets these for its own run; the manifest's environment shows the
     process settings before and after)."""
     return {"deterministic_algorithms": cfg.enable_deterministic_algorithms,
-            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": compiled(cfg, device)}
+            "cublas_workspace_config": ":4096:8 (auto-round sets it when unset)", "torch_compile": compiled(cfg, device),
+            "torch_compile_static_shapes": compiled(cfg, device) and cfg.compile_static_shapes}

@@ -1,6 +1,7 @@
 """autoround-q3: auto-round's SignRound on MOSS block inputs, one block at a time through its block API,
 packed by our GPTQ packing."""
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -289,6 +290,49 @@ def test_batches_staged_a_step_ahead_give_what_auto_rounds_own_gathering_gives(t
     assert hits >= 2 * cfg.iters * cfg.batch_size and len(served) - hits <= cfg.iters
     for name, iw in plain.items():
         assert torch.equal(iw.q, staged[name].q) and torch.equal(iw.scales, staged[name].scales), name
+
+
+def test_compiled_tuning_gets_one_static_graph_per_weight_shape_and_grid():
+    """auto-round's weight quantizer under `static_shapes` (what a compiled tuning runs in): every
+    (shape, bits, group_size) its Linears meet gets a graph of its own with nothing symbolic, none
+    falls back to eager, and dynamo's settings are back afterwards. Without it, dynamo's automatic
+    dynamic shapes give fewer graphs, symbolic in shape, bits and group size."""
+    import torch._dynamo
+    from auto_round.data_type.int import quant_tensor_sym
+
+    from quantizers.autoround import static_shapes
+
+    shapes, grids = [(256, 256), (64, 256), (768, 256), (256, 768)], [(3, 128), (2, 128), (4, 128), (3, 64), (2, 64)]
+
+    def compile_all(ctx):
+        torch._dynamo.reset()
+        graphs = []
+
+        def counting(gm, example_inputs):
+            graphs.append(any(isinstance(e, torch.SymInt) or (isinstance(e, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in e.shape)) for e in example_inputs))
+            return gm.forward
+
+        quant = torch.compile(quant_tensor_sym, backend=counting)
+        with ctx:
+            for _ in range(2):  # the second pass (the next block) compiles nothing
+                for bits, group in grids:
+                    for out_f, in_f in shapes:
+                        groups = out_f * in_f // group
+                        v = torch.zeros(groups, group, requires_grad=True)
+                        lo, hi = torch.ones(groups, requires_grad=True), torch.ones(groups, requires_grad=True)
+                        q, _, _ = quant(torch.randn(out_f, in_f, dtype=torch.bfloat16), bits=bits, group_size=group,
+                                        v=v, min_scale=lo, max_scale=hi, scale_dtype=torch.float16)
+                        q.float().sum().backward()
+        return graphs
+
+    before = (torch._dynamo.config.automatic_dynamic_shapes, torch._dynamo.config.recompile_limit)
+    static = compile_all(static_shapes())
+    assert len(static) == len(shapes) * len(grids) and not any(static)
+    assert (torch._dynamo.config.automatic_dynamic_shapes, torch._dynamo.config.recompile_limit) == before
+    dynamic = compile_all(nullcontext())
+    assert len(dynamic) < len(static) and any(dynamic)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("cpu_has_bf16", [True, False])
