@@ -509,12 +509,13 @@ def main(argv=None) -> None:
 
     from bench.anchors import ANCHORS, settings
     from pipelines.api import plan
+    from pipelines.errors import PipelineError
     from pipelines.profile import known_profiles, parse_overrides
     from pipelines.environment import library_versions
 
     try:
         sets = parse_overrides(args.set)
-    except Exception as e:
+    except PipelineError as e:
         sys.exit(f"bench: {e}")
 
     device = "cpu" if args.smoke else ("cuda" if torch.cuda.is_available() else "cpu")
