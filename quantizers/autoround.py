@@ -45,7 +45,8 @@ class AutoRoundConfig:
     # measured deterministic with enable_deterministic_algorithms (bench/autoround_settings.py).
     enable_torch_compile: bool = False
     # With enable_torch_compile: one static graph per weight shape and grid (`static_shapes`) instead of
-    # dynamo's symbolic ones. Off until an A/B on a GPU shows it faster (BENCHMARKS.md, status table).
+    # dynamo's symbolic ones. On in autoround-q3, where a GPU A/B measured it 6% faster a block with every
+    # fidelity figure unchanged (BENCHMARKS.md); the mixed-grid sensitivity profiles are not A/B'd yet.
     compile_static_shapes: bool = False
 
     def validate(self):

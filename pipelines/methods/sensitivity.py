@@ -61,10 +61,6 @@ class MeasureParams:
     seqlen: int = 2048
     batch_size: int = 8
     lr: float | None = None
-    # CUDA only, as the quantize stage's. Off until measured: its short tunings (8 x 512 tokens a
-    # step, six grids) may be bound by the weight quantizer's small kernels, which compiling fuses
-    enable_torch_compile: bool = False
-    compile_static_shapes: bool = False
     measurement: str | None = None  # reuse this file (path relative to the repo root) instead of measuring
     measurement_sha256: str | None = None  # the file's sha256: filled in when omitted, checked when given
 
@@ -88,9 +84,7 @@ class MeasureParams:
 
     def tuning(self, grid: Grid) -> AutoRoundConfig:
         return AutoRoundConfig(bits=grid[0], group_size=grid[1], sym=True, iters=self.iters, nsamples=self.nsamples,
-                               seqlen=self.seqlen, batch_size=self.batch_size, lr=self.lr,
-                               enable_torch_compile=self.enable_torch_compile,
-                               compile_static_shapes=self.compile_static_shapes)
+                               seqlen=self.seqlen, batch_size=self.batch_size, lr=self.lr)
 
     def quantizer(self) -> dict:
         """What the scores depend on besides the data: a measurement offered for reuse must match it."""
