@@ -185,11 +185,9 @@ def test_set_overrides_our_profiles_where_the_stage_has_the_key_and_refuses_a_ke
     q = plan(str(ar), "tiny").stages["quantize"].config
     assert (q.enable_deterministic_algorithms, q.group_size, q.iters) == (False, 64, 200)
     assert "enable_deterministic_algorithms" not in json.dumps(yaml.safe_load(fp8.read_text())["models"])
-    # the next GPU A/B: sens-q3's quantize with static graphs, its measure stage untouched
+    # the next GPU A/B: sens-q3's quantize with static graphs (its measure stage has no such key)
     sens = bench_profile("sens-q3", "tiny", tmp_path, False, {"quantize": {"compile_static_shapes": True}}, taken)
-    stages = plan(str(sens), "tiny").stages
-    assert stages["quantize"].config.tuning().compile_static_shapes
-    assert not stages["measure"].tuning((3, 128)).compile_static_shapes
+    assert plan(str(sens), "tiny").stages["quantize"].config.tuning().compile_static_shapes
 
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--profiles", "autoround-q3",
                            "--set", "quantize.enable_determinstic_algorithms=false", "--out", str(tmp_path / "o"),
